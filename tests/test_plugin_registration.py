@@ -1,0 +1,82 @@
+"""The plugin is found through vLLM's entry point and register() runs inside
+vLLM's engine-core/worker processes, cheaply and idempotently."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+
+import vllm_dflash
+
+
+def _fresh_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    by_name = {ep.name: ep.value for ep in eps}
+    assert by_name.get("dflash") == "vllm_dflash:register", by_name
+
+
+def test_import_is_light():
+    heavy = _fresh_python(
+        "import sys, vllm_dflash; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch','vllm','numba','llvmlite','transformers'}))"
+    )
+    assert heavy == "[]", f"`import vllm_dflash` pulled in {heavy}"
+
+
+def test_register_is_idempotent_and_avoids_numba():
+    result = _fresh_python(
+        "import sys, vllm_dflash; vllm_dflash.register(); vllm_dflash.register(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'numba','llvmlite'}))"
+    )
+    assert result == "[]", f"register() imported {result}: numba/llvmlite at plugin load crash CPU workers"
+
+
+def _worker_pid(worker) -> int:
+    import os as _os
+
+    return _os.getpid()
+
+
+@pytest.mark.vllm
+def test_register_runs_in_vllm_worker(tmp_path, monkeypatch):
+    from helpers import save_target, tiny_target
+
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    monkeypatch.setenv("VLLM_DFLASH_REGISTER_MARKER_DIR", str(marker_dir))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # collective_rpc ships _worker_pid to the worker by pickle.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    target_dir = save_target(tiny_target(), tmp_path / "target")
+
+    from vllm import LLM
+
+    llm = LLM(
+        model=target_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=4,
+    )
+    try:
+        worker_pids = llm.collective_rpc(_worker_pid)
+    finally:
+        del llm
+    assert worker_pids and all(pid != os.getpid() for pid in worker_pids)
+    registered = {int(p.name.split(".")[1]): p.read_text() for p in marker_dir.iterdir()}
+    for pid in worker_pids:
+        assert registered.get(pid) == vllm_dflash.__version__, (
+            f"register() did not run in worker pid {pid}; markers: {registered}"
+        )
