@@ -1,0 +1,46 @@
+"""Verifier tests import torch only (no vLLM), so they also run on a bare GPU machine.
+
+The native op comes from the built extension (`pip install --no-build-isolation -e .`).
+VLLM_DFLASH_JIT_VERIFIER=1 compiles csrc/cpu/rejection_sample.cpp on the fly
+instead, for working on the kernel without rebuilding the package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_dflash.verifier import rejection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _jit_build() -> None:
+    from torch.utils.cpp_extension import load
+
+    build_dir = ROOT / "build" / "jit_verifier"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(name="vllm_dflash_verifier_jit", sources=[str(ROOT / "csrc/cpu/rejection_sample.cpp")],
+         build_directory=str(build_dir), extra_cflags=["-O3"], is_python_module=False)
+    rejection.native_available.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def native_cpu() -> None:
+    """Fails (not skips) when the CPU kernel is missing: it is a core path."""
+    if not rejection.native_available("cpu") and os.environ.get("VLLM_DFLASH_JIT_VERIFIER") == "1":
+        _jit_build()
+    if not rejection.native_available("cpu"):
+        pytest.fail("torch.ops.vllm_dflash.rejection_sample has no CPU kernel: build the extension with "
+                    "`pip install --no-build-isolation --no-deps -e .` (or set VLLM_DFLASH_JIT_VERIFIER=1)")
+
+
+@pytest.fixture(scope="session")
+def native_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    if not rejection.native_available("cuda"):
+        pytest.fail("torch.ops.vllm_dflash.rejection_sample has no CUDA kernel in this build")

@@ -1,0 +1,31 @@
+"""Which verifier serves a speculative config: ours or vLLM's.
+
+Read by the worker (DFlashRejectionSampler) and by the engine process (the
+min-p check of SamplingParams), so it stays free of vLLM imports.
+
+VLLM_DFLASH_VERIFIER=dflash|vllm forces one verifier for DFlash; unset, ours
+serves whenever vllm-dflash's DFlash does (VLLM_DFLASH_IMPL is not "vllm").
+Other methods, and rejection_sample_method "synthetic" / "block", keep vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+
+VERIFIER_ENV = "VLLM_DFLASH_VERIFIER"
+VERIFIER_CHOICES = ("dflash", "vllm")
+
+
+def use_dflash_verifier(spec_config) -> bool:
+    if spec_config is None or getattr(spec_config, "method", None) != "dflash":
+        return False
+    if getattr(spec_config, "rejection_sample_method", "standard") != "standard":
+        return False
+    choice = os.environ.get(VERIFIER_ENV, "").strip().lower()
+    if choice and choice not in VERIFIER_CHOICES:
+        raise ValueError(f"{VERIFIER_ENV}={choice!r} is not valid; use one of {VERIFIER_CHOICES} or unset it")
+    if choice:
+        return choice == "dflash"
+    from vllm_dflash.patches import use_plugin_impl
+
+    return use_plugin_impl()
