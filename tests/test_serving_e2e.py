@@ -1,0 +1,384 @@
+"""vllm-dflash's DFlash inside vLLM's engine, end to end (CPU, float32).
+
+One tiny random Qwen3 target and random 2-layer DFlash drafts (block 16, two
+target features, correlated with the target so drafts get accepted now and
+then). Engines, one at a time, all with the same scheduler settings (block
+size 32, a KV cache small enough to preempt, 128-token steps so long prompts
+are chunked, prefix caching):
+
+* no speculation: the reference output;
+* the plugin's DFlash with k = 3, 7 (eager) and 15 (torch.compile, vLLM's default);
+* vLLM's in-tree DFlash with k = 7, in a subprocess (VLLM_DFLASH_IMPL=vllm).
+
+Every DFlash engine records each propose() call: per request, the position of
+its bonus token and the k draft tokens. Checks: greedy outputs equal the
+no-spec engine's token for token; every decode-time draft equals the
+pure-torch reference draft (`vllm_dflash.reference`) run on the same prefix;
+and the plugin's drafts equal the in-tree DFlash's step for step.
+
+The in-tree comparison uses a draft whose layers share one k_norm weight:
+vLLM 0.32's in-tree DFlash normalises context keys of all layers in one
+`ops.rms_norm` call with stacked [L, head_dim] weights
+(model_executor/models/qwen3_dflash.py:643, `_normalize_context_k`), and the
+CPU kernel applies weight row 0 to every layer (its output equals the row-0
+result exactly), so on CPU the in-tree drafts are wrong for drafts whose
+layers differ in k_norm. The k = 3 and 15 engines use distinct k_norms,
+checked against the reference.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+VOCAB = 256
+BLOCK_SIZE = 16
+NUM_PROMPTS = 32
+LONG_PROMPT_LEN = 300  # > max_num_batched_tokens: prefilled in chunks
+K_VALUES = (3, 7, 15)
+COMPILED_K = 15  # this engine runs vLLM's default torch.compile path (the draft's forward too)
+ORACLE_K = 7
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
+
+
+def set_engine_env() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in-process: runner reachable
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def build_models(root: str) -> dict[str, str]:
+    """target, draft (distinct k_norms) and draft_shared_knorm folders under root."""
+    import copy
+
+    import torch
+    from helpers import correlate_pair, random_draft, save_pair, tiny_target
+
+    from vllm_dflash.reference import save_draft
+
+    target = tiny_target(vocab_size=VOCAB, seed=0)
+    draft = random_draft(target, num_layers=2, block_size=BLOCK_SIZE, seed=1, target_layer_ids=[0, 2])
+    correlate_pair(target, draft)
+    target_dir, draft_dir = save_pair(target, draft, root)
+    shared = copy.deepcopy(draft)
+    with torch.no_grad():
+        for layer in shared.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(shared.layers[0].self_attn.k_norm.weight)
+    shared_dir = os.path.join(root, "draft_shared_knorm")
+    save_draft(shared, shared_dir)
+    return {"target": target_dir, "draft": draft_dir, "draft_shared_knorm": shared_dir}
+
+
+def draft_for(k: int) -> str:
+    return "draft_shared_knorm" if k == ORACLE_K else "draft"
+
+
+def workload() -> tuple[list[list[int]], list[int], list[int]]:
+    """32 prompts with varied lengths and output budgets (requests finish at
+    different steps, new ones join running decodes) and one long prompt."""
+    from helpers import random_prompts
+
+    prompts = random_prompts(NUM_PROMPTS, VOCAB, min_len=4, max_len=60, seed=0)
+    max_tokens = [16 + (7 * i) % 25 for i in range(NUM_PROMPTS)]
+    (long_prompt,) = random_prompts(1, VOCAB, LONG_PROMPT_LEN, LONG_PROMPT_LEN, seed=1)
+    return prompts, max_tokens, long_prompt
+
+
+def engine_kwargs(target_dir: str, draft_dir: str, k: int | None) -> dict:
+    kwargs = dict(
+        model=target_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=384,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        block_size=32,
+        num_gpu_blocks_override=14,  # ~13 usable blocks for 8 requests: forces preemption
+        enable_prefix_caching=True,
+        enforce_eager=k != COMPILED_K,
+        gpu_memory_utilization=0.5,
+    )
+    if k is not None:
+        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": k}
+    return kwargs
+
+
+class ProposalRecorder:
+    """Wraps runner.drafter.propose: per call, {prompt index: (bonus position,
+    drafts)} for requests whose sampled token is kept (partial-prefill chunks,
+    also of requests resumed after preemption, draft from a placeholder and
+    their drafts are discarded: not recorded)."""
+
+    def __init__(self, runner, prompts: list[list[int]]):
+        self.runner = runner
+        self.index = {tuple(p): i for i, p in enumerate(prompts)}
+        self.calls: list[dict[int, tuple[int, list[int]]]] = []
+        drafter = runner.drafter
+        self.original = drafter.propose
+        drafter.propose = self.propose
+
+    def propose(self, **kwargs):
+        drafts = self.original(**kwargs)
+        cad = kwargs["common_attn_metadata"]
+        rejected = kwargs["num_rejected_tokens_gpu"]
+        batch = drafts.shape[0]
+        last = cad.query_start_loc[1 : batch + 1].long() - 1
+        if rejected is not None:
+            last = last - rejected.long()
+        bonus_pos = (kwargs["target_positions"][last] + 1).tolist()
+        discarded = self.runner.discard_request_mask.np[:batch].tolist()
+        call = {}
+        for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch]):
+            if discarded[row]:
+                continue
+            prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
+            call[self.index.get(prompt, -1)] = (bonus_pos[row], drafts[row].tolist())
+        self.calls.append(call)
+        return drafts
+
+
+def generate(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
+
+
+def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long")) -> dict:
+    """Run the workload on one engine; returns outputs, drafter facts and proposals."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    prompts, max_tokens, long_prompt = workload()
+    llm = LLM(**engine_kwargs(target_dir, draft_dir, k))
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    preemptions = []
+    original_preempt = core.scheduler._preempt_request
+
+    def count_preemption(request, *args, **kwargs):
+        preemptions.append(request.request_id)
+        return original_preempt(request, *args, **kwargs)
+
+    core.scheduler._preempt_request = count_preemption
+    result: dict = {"preemptions": 0}
+    recorder = None
+    if k is not None:
+        drafter = runner.drafter
+        result["drafter"] = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+        model = drafter.model.unwrap() if hasattr(drafter.model, "unwrap") else drafter.model
+        result["draft_model"] = f"{type(model).__module__}.{type(model).__qualname__}"
+        recorder = ProposalRecorder(runner, prompts + [long_prompt])
+    try:
+        for phase in phases:
+            start = len(recorder.calls) if recorder else 0
+            if phase == "batch8":  # max_num_seqs=8: up to 8 requests per step
+                result[phase], _ = generate(llm, prompts, max_tokens)
+            elif phase == "batch1":  # one request at a time
+                result[phase] = [generate(llm, [p], [m])[0][0] for p, m in zip(prompts, max_tokens)]
+            elif phase == "long":  # chunked prefill, then the same prompt again: prefix-cache hit
+                first, _ = generate(llm, [long_prompt], [24])
+                second, cached = generate(llm, [long_prompt], [24])
+                result[phase] = first + second
+                result["long_cached_tokens"] = cached[0]
+            if recorder:
+                result[f"proposals_{phase}"] = recorder.calls[start:]
+        result["preemptions"] = len(preemptions)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm, core, runner
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    return result
+
+
+def accepted_lengths(proposals, prompts, outputs) -> list[int]:
+    """Per recorded draft: how many leading tokens greedy verification accepts,
+    scored against the no-spec outputs."""
+    lengths = []
+    for call in proposals:
+        for idx, (pos, drafts) in call.items():
+            if not 0 <= idx < len(outputs):
+                continue
+            truth = outputs[idx][pos - len(prompts[idx]) + 1 :]
+            n = 0
+            while n < min(len(drafts), len(truth)) and drafts[n] == truth[n]:
+                n += 1
+            lengths.append(n)
+    return lengths
+
+
+def reference_drafts(models: dict[str, str], draft_name: str, calls, sequences: dict) -> list:
+    """The pure-torch reference's drafts for every decode-time call in `calls`:
+    target features of the request's first `pos` tokens (HF target), block
+    [token at pos, MASK x k] at positions [pos, pos + k]. `sequences` maps a
+    prompt index to (prompt, greedy output). Returns
+    [(call index, prompt index, ours, reference)]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_dflash.reference import TargetFeatures, load_draft
+    from vllm_dflash.reference.spec_decode import draft_block
+
+    target = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    draft = load_draft(models[draft_name])
+    features = {}
+    compared = []
+    with torch.no_grad(), TargetFeatures(target, draft.target_layer_ids) as recorder:
+        for step, call in enumerate(calls):
+            for idx, (pos, drafts) in call.items():
+                if idx not in sequences:
+                    continue
+                prompt, output = sequences[idx]
+                seq = list(prompt) + list(output)
+                if pos >= len(seq):
+                    continue  # a request that just ended: no ground truth to draft from
+                if idx not in features:
+                    target(torch.tensor([seq]))
+                    features[idx] = recorder.pop()
+                ref = draft_block(
+                    draft, target, seq[pos], features[idx][:, :pos], pos, len(drafts) + 1, draft.new_kv_cache()
+                )
+                compared.append((step, idx, list(drafts), ref))
+    return compared
+
+
+# ------------------------------------------------------------------ fixtures --
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_env():
+    """In-process engines for this module only (other modules may want subprocess engines)."""
+    saved = {key: os.environ.get(key) for key in ENGINE_ENV}
+    set_engine_env()
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(str(tmp_path_factory.mktemp("dflash_e2e")))
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    return run_engine(models["target"], None, k=None)
+
+
+@pytest.fixture(scope="module")
+def plugin(models):
+    import vllm_dflash
+
+    vllm_dflash.register()  # no-op when vLLM already loaded it through the entry point
+    return {k: run_engine(models["target"], models[draft_for(k)], k=k) for k in K_VALUES}
+
+
+@pytest.fixture(scope="module")
+def in_tree(models, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("in_tree") / "in_tree.json")
+    env = dict(os.environ, VLLM_DFLASH_IMPL="vllm", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.abspath(__file__), models["target"], models[draft_for(ORACLE_K)], str(ORACLE_K), out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------- tests --
+
+
+def test_plugin_proposer_and_draft_model_in_use(plugin):
+    for k, run in plugin.items():
+        assert run["drafter"] == "vllm_dflash.serving.proposer.DFlashProposer", k
+        assert run["draft_model"] == "vllm_dflash.serving.draft_model.DFlashDraftForCausalLM", k
+        assert len(run["proposals_batch8"]) > 0, k
+        assert all(len(d) == k for call in run["proposals_batch8"] for _, d in call.values())
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_output_identical_to_no_spec(baseline, plugin, k):
+    run = plugin[k]
+    assert len(baseline["batch8"]) == len(baseline["batch1"]) == NUM_PROMPTS
+    assert run["batch8"] == baseline["batch8"]  # batches of up to 8, mixed prefill/decode
+    assert run["batch1"] == baseline["batch1"]  # batch size 1
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_chunked_prefill_and_prefix_cache(baseline, plugin, k):
+    run = plugin[k]
+    assert run["long"] == baseline["long"]
+    assert run["long"][0] == run["long"][1]
+    assert run["long_cached_tokens"] >= 32, "the repeated prompt should hit the prefix cache"
+
+
+def test_preemption_happened(baseline, plugin):
+    # The small KV cache must force recomputation, or the tests above cover less.
+    assert baseline["preemptions"] > 0
+    assert all(run["preemptions"] > 0 for run in plugin.values())
+
+
+def test_drafts_accepted_sometimes(baseline, plugin):
+    """The correlated pair must exercise multi-token acceptance, or the output
+    checks above only cover the all-rejected path."""
+    prompts, _, _ = workload()
+    for k, run in plugin.items():
+        lengths = accepted_lengths(run["proposals_batch8"], prompts, baseline["batch8"])
+        assert len(lengths) > 50, k
+        assert sum(n >= 2 for n in lengths) >= 5, f"k={k}: accepted lengths {sorted(lengths)[-20:]}"
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_draft_tokens_equal_reference(models, baseline, plugin, k):
+    """Every decode-time draft (batched, batch 1, chunked-prefill and
+    prefix-cached requests, after preemptions) equals the pure-torch reference."""
+    prompts, _, long_prompt = workload()
+    run = plugin[k]
+    for phase, sequences in (
+        ("batch8", dict(enumerate(zip(prompts, baseline["batch8"])))),
+        ("batch1", dict(enumerate(zip(prompts, baseline["batch1"])))),
+        ("long", {len(prompts): (long_prompt, baseline["long"][0])}),  # recorder's index
+    ):
+        compared = reference_drafts(models, draft_for(k), run[f"proposals_{phase}"], sequences)
+        assert len(compared) > 5, phase
+        bad = [(step, idx, ours, ref) for step, idx, ours, ref in compared if ours != ref]
+        assert not bad, f"{phase}: {len(bad)}/{len(compared)} drafts differ, first: {bad[:3]}"
+
+
+def test_draft_tokens_equal_in_tree_dflash(baseline, plugin, in_tree):
+    """Same weights, same batches: the plugin proposes exactly vLLM's in-tree drafts."""
+    assert in_tree["drafter"] == "vllm.v1.spec_decode.dflash.DFlashProposer"
+    ours = plugin[ORACLE_K]
+    assert in_tree["batch8"] == baseline["batch8"]
+    theirs_calls = [{int(i): (p, d) for i, (p, d) in call.items()} for call in in_tree["proposals_batch8"]]
+    ours_calls = [{int(i): (p, list(d)) for i, (p, d) in call.items()} for call in ours["proposals_batch8"]]
+    assert len(ours_calls) == len(theirs_calls)
+    for step, (a, b) in enumerate(zip(ours_calls, theirs_calls)):
+        assert a == b, f"propose call {step} differs"
+    prompts, _, _ = workload()
+    assert sum(n >= 2 for n in accepted_lengths(ours_calls, prompts, baseline["batch8"])) >= 5
+
+
+if __name__ == "__main__":  # oracle mode: python test_serving_e2e.py TARGET DRAFT K OUT.json
+    target_dir, draft_dir, k, out_path = sys.argv[1:5]
+    assert os.environ.get("VLLM_DFLASH_IMPL") == "vllm"
+    set_engine_env()
+    res = run_engine(target_dir, draft_dir, int(k), phases=("batch8",))
+    with open(out_path, "w") as f:
+        json.dump(res, f)

@@ -1,0 +1,115 @@
+"""Turn `speculative_config={"method": "dflash", ...}` into a complete one.
+
+vLLM 0.32's `SpeculativeConfig` needs both `model` and
+`num_speculative_tokens` for method "dflash" (config/speculative.py: without
+`model` it never builds a draft config and `_verify_args` fails with
+"num_speculative_tokens must be provided"; with `model` but no count it
+fails with "A speculative model was provided, but `num_speculative_tokens`
+was not provided"). Here, before vLLM sees the dict:
+
+* a missing `model` is looked up in the table of z-lab's published drafts;
+* the draft's config.json is validated against the target
+  (`vllm_dflash.config.validate_draft_config`), so a bad draft fails at
+  `LLM(...)` with a ValueError naming the field and the fix;
+* a missing `num_speculative_tokens` becomes the draft's `block_size - 1`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_dflash.config import DFlashConfig, validate_draft_config
+
+logger = logging.getLogger("vllm.vllm_dflash")
+
+# Target (Hugging Face id) -> z-lab's published DFlash draft for it.
+KNOWN_DRAFTS: dict[str, str] = {
+    "Qwen/Qwen3-4B": "z-lab/Qwen3-4B-DFlash-b16",
+    "Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16",
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+    "meta-llama/Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    "openai/gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
+}
+
+
+def known_draft_for(target: str) -> str | None:
+    """The published draft for `target`: a hub id, a local copy named like it
+    (`/models/Qwen3-8B`) or a hub cache snapshot of it."""
+    path = target.rstrip("/").lower()
+    for target_id, draft in KNOWN_DRAFTS.items():
+        org, name = target_id.lower().split("/")
+        if path == f"{org}/{name}" or os.path.basename(path) == name:
+            return draft
+        if f"models--{org}--{name}/" in path + "/":
+            return draft
+    return None
+
+
+def read_draft_config(model: str, revision: str | None = None) -> dict[str, Any]:
+    """config.json of a local draft directory or a Hugging Face repo."""
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"speculative_config.model={model!r} has no config.json; point it at a "
+                "DFlash draft checkpoint directory (config.json + model.safetensors)"
+            )
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model, "config.json", revision=revision)
+        except Exception as e:  # not a repo, no network, gated, ...
+            raise ValueError(
+                f"speculative_config.model={model!r} is neither a local directory nor a "
+                f"Hugging Face repo whose config.json could be fetched ({type(e).__name__}: "
+                f"{e}); pass the path or hub id of a DFlash draft"
+            ) from e
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_dflash_speculative_config(
+    spec: Mapping[str, Any], target_model_config: Any
+) -> tuple[dict[str, Any], DFlashConfig]:
+    """Keys to add to a dflash `spec` (only those it lacks) and the parsed draft config.
+
+    `spec` uses vLLM's field names; `target_model_config` is vLLM's
+    ModelConfig of the target (`.model`, `.hf_config`).
+    """
+    added: dict[str, Any] = {}
+    model = spec.get("model")
+    if not model:
+        target = target_model_config.model
+        model = known_draft_for(target)
+        if model is None:
+            known = ", ".join(f"{t} -> {d}" for t, d in KNOWN_DRAFTS.items())
+            raise ValueError(
+                f"speculative_config has method='dflash' but no 'model', and there is no "
+                f"known DFlash draft for target {target!r} (known: {known}). Pass one: "
+                "speculative_config={'method': 'dflash', 'model': '<path or hub id of a "
+                "DFlash draft>'}"
+            )
+        logger.info("DFlash draft for %s: %s (from vllm-dflash's table)", target, model)
+        added["model"] = model
+
+    draft_config = read_draft_config(model, spec.get("revision"))
+    try:
+        cfg = validate_draft_config(draft_config, target_model_config.hf_config)
+    except ValueError as e:
+        raise ValueError(f"DFlash draft {model!r}: {e}") from None
+
+    num = spec.get("num_speculative_tokens")
+    if num is None:
+        added["num_speculative_tokens"] = cfg.num_speculative_tokens
+    elif isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= cfg.num_speculative_tokens:
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens={num!r} does not fit DFlash draft "
+            f"{model!r}, trained on blocks of block_size={cfg.block_size}; use an integer "
+            f"in [1, {cfg.num_speculative_tokens}] or omit it (default {cfg.num_speculative_tokens})"
+        )
+    return added, cfg

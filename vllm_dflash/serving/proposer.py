@@ -1,0 +1,218 @@
+"""vllm-dflash's DFlash proposer: replaces vLLM's whenever method == "dflash".
+
+The runner (`GPUModelRunner`, also the CPU runner's base) builds its drafter
+as `DFlashProposer(vllm_config, device, runner)` and checks it with
+`isinstance(..., DFlashProposer)`; `vllm_dflash.patches` points that name at
+this class. vLLM's generic `SpecDecodeBaseProposer` still supplies the
+plumbing the runner calls (model loading, draft attention groups, next-token
+and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
+
+1. context: the target hidden states of the newly verified tokens only
+   (rejected drafts are skipped) -> fc + hidden_norm -> per-layer K/V written
+   into the draft's paged cache at those tokens' slots. Earlier context is
+   already cached, so nothing is recomputed.
+2. one forward pass of the query block `[bonus, MASK x k]` at positions
+   `[p, p + k]`, bidirectional within the block and over all context.
+3. argmax (or, with vLLM's `draft_sample_method="probabilistic"`, sampled)
+   draft tokens; `keep_draft_probs = True` keeps the draft distribution of the
+   last step in `last_draft_probs` for verifiers that need it.
+
+The drafter keeps no per-request state: everything lives in vLLM's block
+tables, so chunked prefill, prefix caching, preemption and requests leaving
+the batch need no bookkeeping here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+from vllm_dflash import ops
+from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
+from vllm_dflash.serving.inputs import build_query_block, select_context_rows
+
+logger = init_logger(__name__)
+
+
+class DFlashProposer(SpecDecodeBaseProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != "dflash":
+            raise ValueError("vllm-dflash's DFlashProposer needs speculative_config.method='dflash'")
+        if spec.use_local_argmax_reduction:
+            raise ValueError(
+                "speculative_config.use_local_argmax_reduction is not supported by "
+                "vllm-dflash's DFlash proposer; remove it"
+            )
+        # The draft forward takes token ids only: target features enter through
+        # the context KV written by store_context_kv, not as model inputs.
+        super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
+        self.mask_token_id = self.parallel_drafting_token_id
+        self.keep_draft_probs = False
+        self.last_draft_probs: torch.Tensor | None = None  # [B, k, V] float32
+        logger.info(
+            "vllm-dflash DFlash proposer: draft %s, %d draft tokens per step",
+            spec.model,
+            spec.num_speculative_tokens,
+        )
+
+    def _create_draft_vllm_config(self) -> VllmConfig:
+        base = super()._create_draft_vllm_config()
+        # The draft is text-only, and its query block needs a backend that can
+        # attend non-causally.
+        arch = base.model_config.model_arch_config
+        if getattr(arch, "is_mm_prefix_lm", False):
+            base.model_config.model_arch_config = replace(arch, is_mm_prefix_lm=False)
+        return replace(base, attention_config=replace(base.attention_config, use_non_causal=True))
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
+        if not isinstance(model, DFlashDraftForCausalLM):
+            raise ValueError(
+                f"the draft loaded as {type(model).__name__}; vllm-dflash needs "
+                "architectures=['DFlashDraftModel'] in the draft's config.json"
+            )
+
+    def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
+        inner = getattr(target_language_model, "model", None)
+        embed = getattr(inner, "embed_tokens", None)
+        if embed is None:
+            embed = getattr(inner, "embedding", None)
+        if embed is None:
+            raise ValueError(
+                f"target {type(target_language_model).__name__} exposes no model.embed_tokens; "
+                "a DFlash draft shares the target's token embedding"
+            )
+        self.model.model.embed_tokens = embed
+
+    def _maybe_share_lm_head(self, target_language_model: torch.nn.Module) -> None:
+        lm_head = getattr(target_language_model, "lm_head", None)
+        if lm_head is None:
+            raise ValueError(
+                f"target {type(target_language_model).__name__} exposes no lm_head; "
+                "a DFlash draft shares the target's LM head"
+            )
+        self.model.lm_head = lm_head
+
+    @torch.inference_mode()
+    def dummy_run(
+        self,
+        num_tokens: int,
+        use_cudagraphs: bool = True,
+        is_graph_capturing: bool = False,
+        slot_mappings: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Peak-memory stand-in for one step: context K/V of `num_tokens`
+        tokens (computed, not stored) and one query-block forward."""
+        num_features = self.model.model.fc.input_size
+        features = torch.zeros(num_tokens, num_features, dtype=self.dtype, device=self.device)
+        self.model.store_context_kv(features, self.positions[:num_tokens], None)
+        del features
+        num_query = min(num_tokens, self.max_batch_size * (1 + self.num_speculative_tokens))
+        with set_forward_context(None, self.vllm_config, num_tokens=num_query, slot_mapping={}):
+            self.model(input_ids=self.input_ids[:num_query], positions=self.positions[:num_query])
+
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        """Draft `num_speculative_tokens` tokens per request: [B, k] token ids.
+
+        `target_hidden_states` is what vLLM 0.32's runner hands every
+        hidden-state drafter: the captured target layers already concatenated
+        per token, [T, L*D], for all T tokens of the last target pass
+        (rejected drafts included). The selection of verified rows runs
+        through `ops.gather_hidden_states` on it (as a one-element list).
+        """
+        self.num_speculative_tokens = k = num_speculative_tokens
+        self._last_draft_probs = None
+        self.last_draft_probs = None
+        cad = common_attn_metadata
+        batch_size = next_token_ids.shape[0]
+        query_start_loc = cad.query_start_loc[: batch_size + 1]
+
+        context = select_context_rows(
+            query_start_loc,
+            num_rejected_tokens_gpu,
+            cad.slot_mapping,
+            num_rows=target_positions.shape[0],
+            exact=self.device.type == "cpu",
+        )
+        features = ops.gather_hidden_states([target_hidden_states], context.rows)
+        self.model.store_context_kv(features, target_positions[context.rows], context.slots)
+        if k == 0:  # the cache is in sync; nothing to draft
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+
+        block = build_query_block(
+            next_token_ids,
+            target_positions,
+            query_start_loc,
+            num_rejected_tokens_gpu,
+            cad.block_table_tensor[:batch_size],
+            self.block_size,
+            self.mask_token_id,
+            k,
+        )
+        q_len = k + 1
+        upper = cad.seq_lens_cpu_upper_bound
+        block_cad = CommonAttentionMetadata(
+            query_start_loc=block.query_start_loc,
+            query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32) * q_len,
+            seq_lens=block.seq_lens,
+            seq_lens_cpu_upper_bound=None if upper is None else upper[:batch_size] + q_len,
+            num_reqs=batch_size,
+            num_actual_tokens=batch_size * q_len,
+            max_query_len=q_len,
+            max_seq_len=cad.max_seq_len + q_len,
+            block_table_tensor=cad.block_table_tensor[:batch_size],
+            slot_mapping=block.slots,
+            causal=False,
+        )
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(block_cad)
+        with set_forward_context(
+            per_layer_metadata,
+            self.vllm_config,
+            num_tokens=batch_size * q_len,
+            slot_mapping={name: block.slots for name in self._draft_attn_layer_names},
+        ):
+            hidden_states = self.model(input_ids=block.input_ids, positions=block.positions)
+        # Row 0 of each block is the bonus token; rows 1..k predict the drafts.
+        mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * k, -1)
+        draft_ids, probs = self._draft_tokens(mask_hidden, sampling_metadata)
+        if probs is not None:
+            probs = probs.view(batch_size, k, -1)
+            if self.keep_draft_probs:
+                self.last_draft_probs = probs
+        return draft_ids.view(batch_size, k)
+
+    def _draft_tokens(
+        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Argmax drafts, or vLLM's probabilistic draft sampling when enabled
+        (then the probabilities also go to vLLM's rejection sampler)."""
+        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+            draft_ids, probs = self._sample_draft_tokens(hidden_states, sampling_metadata)
+            self._last_draft_probs = probs.view(-1, self.num_speculative_tokens, probs.shape[-1])
+            return draft_ids, probs
+        logits = self.model.compute_logits(hidden_states)
+        probs = logits.softmax(dim=-1, dtype=torch.float32) if self.keep_draft_probs else None
+        return logits.argmax(dim=-1), probs
