@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     sub_parser = argparse.ArgumentParser(prog=f"vllm-dflash {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as exc:  # bad input: the message names the field and the fix
+        print(f"vllm-dflash {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

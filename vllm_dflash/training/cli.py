@@ -1,0 +1,239 @@
+"""`vllm-dflash train`: target-generated data -> feature cache -> drafter -> z-lab checkpoint.
+
+Every stage caches its output under --out and is skipped when already done, so a
+rerun resumes and ablation runs (--run-name) share the responses and features:
+
+    OUT/responses.jsonl              prompts + target responses (token ids)
+    OUT/features-<layer ids>/        sharded, memory-mapped target features
+    OUT/runs/<run name>/             checkpoint.pt, history.jsonl, summary.json
+    OUT/runs/<run name>/draft/       exported checkpoint (or --export DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+STAGES = ("data", "features", "train", "export")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target and data")
+    g.add_argument("--target", required=True, help="Hugging Face target folder (config, weights, tokenizer)")
+    g.add_argument("--out", required=True, help="work folder: caches and runs")
+    g.add_argument("--prompts", default="toy",
+                   help="'toy' (the bundled corpus) or a .jsonl/.json/.txt prompt file (default: toy)")
+    g.add_argument("--num-prompts", type=int, default=3000, help="prompts to use (default 3000)")
+    g.add_argument("--max-new-tokens", type=int, default=384, help="response length cap (default 384)")
+    g.add_argument("--temperatures", type=_floats, default=(0.0,),
+                   help="comma list; one response per prompt per temperature (default 0 = greedy)")
+    g.add_argument("--max-len", type=int, default=512, help="prompt + response tokens kept (default 512)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM engine setting")
+    g.add_argument("--target-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="transformers dtype of the target for features and tau (default: as stored, "
+                        "matching what vLLM serves)")
+    g.add_argument("--gen-dtype", default="auto", help="vLLM dtype for generation (default: the target's)")
+    g.add_argument("--gen-eager", action="store_true", help="vLLM enforce_eager (skips graph compilation)")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--num-layers", type=int, default=2, help="draft layers (default 2)")
+    g.add_argument("--block-size", type=int, default=16, help="block size B (default 16)")
+    g.add_argument("--num-target-layers", type=int, default=None,
+                   help="number of target feature layers (z-lab's spacing rule; default: --num-layers)")
+    g.add_argument("--target-layer-ids", type=_ints, default=None, help="explicit 0-based feature layers")
+    g.add_argument("--mask-token-id", type=int, default=None,
+                   help="mask token id (default: the tokenizer's mask token or <|reserved_0|>)")
+    g = p.add_argument_group("training")
+    g.add_argument("--run-name", default=None, help="run folder under OUT/runs (default from the settings)")
+    g.add_argument("--anchors", choices=("random", "fixed"), default="random")
+    g.add_argument("--loss-decay", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight position k by exp(-(k-1)/gamma) (default on)")
+    g.add_argument("--gamma", type=float, default=None, help="loss decay gamma (default 7 for B=16)")
+    g.add_argument("--blocks-per-seq", type=int, default=32)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the run")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--steps", type=int, default=None, help="training steps")
+    g.add_argument("--minutes", type=float, default=None, help="training time budget")
+    g.add_argument("--autocast", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--attention", choices=("auto", "sdpa", "flex"), default="auto",
+                   help="auto: flex attention on CUDA, SDPA + dense mask on CPU")
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint of this run")
+    g.add_argument("--checkpoint-every", type=int, default=200)
+    g = p.add_argument_group("evaluation and export")
+    g.add_argument("--eval-prompts", default=None, help="held-out prompt file (.json/.jsonl/.txt) for tau")
+    g.add_argument("--eval-num", type=int, default=None, help="eval prompts per category (default: all)")
+    g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-draft", default=None,
+                   help="only measure tau of this exported draft on --eval-prompts (no data, no training)")
+    g.add_argument("--eval-every", type=int, default=0, help="steps between tau evaluations (0: at the end)")
+    g.add_argument("--export", default=None, help="export folder (default OUT/runs/<run>/draft)")
+    g.add_argument("--export-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    g.add_argument("--feature-dtype", choices=("bf16", "fp16"), default="bf16")
+    g.add_argument("--stop-after", choices=STAGES, default="export", help="last stage to run")
+
+
+def find_mask_token_id(tokenizer, vocab_size: int) -> int:
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return tokenizer.mask_token_id
+        for name in ("<|reserved_0|>", "<|MASK|>", "<mask>"):
+            tid = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and 0 <= tid < vocab_size:
+                return tid
+    raise ValueError("cannot pick a mask token: the tokenizer has no mask or <|reserved_0|> token; "
+                     "pass --mask-token-id with an id the target never generates")
+
+
+def default_run_name(args, layer_ids: list[int]) -> str:
+    decay = "decay" if args.loss_decay else "nodecay"
+    return f"L{args.num_layers}-B{args.block_size}-F{'_'.join(map(str, layer_ids))}-{args.anchors}-{decay}"
+
+
+def load_target(args, device):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = "auto" if args.target_dtype == "auto" else getattr(torch, args.target_dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    return target.requires_grad_(False)
+
+
+def eval_only(args, device) -> int:
+    """Tau of an exported draft per category; written to OUT/tau-<draft folder name>.json."""
+    import torch
+
+    from vllm_dflash.reference import load_draft
+    from vllm_dflash.training import data
+    from vllm_dflash.training.evaluate import format_tau, measure_tau
+
+    if not args.eval_prompts:
+        raise ValueError("--eval-draft needs --eval-prompts (the held-out prompt file)")
+    tokenizer = data.load_tokenizer(args.target)
+    target = load_target(args, device)
+    draft = load_draft(args.eval_draft, device=device, dtype=torch.float32, target_config=target.config)
+    prompts = data.per_category(data.load_prompts(args.eval_prompts, tokenizer), args.eval_num)
+    result = measure_tau(target, draft, prompts, args.eval_max_new_tokens, data.stop_token_ids(args.target, tokenizer))
+    os.makedirs(args.out, exist_ok=True)
+    name = os.path.basename(os.path.normpath(args.eval_draft))
+    with open(os.path.join(args.out, f"tau-{name}.json"), "w") as f:
+        json.dump({"draft": os.path.abspath(args.eval_draft), "max_new_tokens": args.eval_max_new_tokens,
+                   "prompts_per_category": args.eval_num, "tau": result}, f, indent=1)
+    print("tau: " + format_tau(result))
+    return 0
+
+
+def run(args) -> int:
+    import torch
+
+    from vllm_dflash.training import data
+
+    if not os.path.isfile(os.path.join(args.target, "config.json")):
+        raise ValueError(f"--target {args.target!r} is not a Hugging Face model folder (no config.json)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.eval_draft:
+        return eval_only(args, device)
+    for name in ("num_prompts", "max_new_tokens", "max_len", "num_layers", "block_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.stop_after in ("train", "export") and args.steps is None and args.minutes is None:
+        raise ValueError("give --steps or --minutes (the training length)")
+    os.makedirs(args.out, exist_ok=True)
+    stages = STAGES[:STAGES.index(args.stop_after) + 1]
+
+    tokenizer = data.load_tokenizer(args.target)
+    prompts = data.load_prompts(args.prompts, tokenizer, limit=args.num_prompts, seed=args.seed)
+    samples = data.generate_responses(args.target, prompts, os.path.join(args.out, "responses.jsonl"),
+                                      args.max_new_tokens, args.temperatures, args.max_len, args.seed,
+                                      gpu_memory_utilization=args.gpu_memory_utilization,
+                                      engine_kwargs={"dtype": args.gen_dtype, "enforce_eager": args.gen_eager})
+    samples = data.usable(samples, args.block_size, args.max_len)
+    print(f"data: {len(samples)} usable sequences, {sum(len(s.tokens) for s in samples)} tokens "
+          f"({sum(s.response_len for s in samples)} response tokens)")
+    if stages == ("data",):
+        return 0
+
+    from vllm_dflash.reference import DFlashDraftModel, new_draft_config
+    from vllm_dflash.training.evaluate import format_tau, measure_tau
+    from vllm_dflash.training.export import export_draft
+    from vllm_dflash.training.features import build_feature_cache
+    from vllm_dflash.training.loss import default_gamma
+    from vllm_dflash.training.trainer import TrainConfig, Trainer
+
+    target = load_target(args, device)
+    vocab = target.config.get_text_config().vocab_size
+    mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token_id(tokenizer, vocab)
+    torch.manual_seed(args.seed)
+    draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
+                                    mask_token_id=mask_id, target_layer_ids=args.target_layer_ids,
+                                    num_features=args.num_target_layers)
+    layer_ids = list(draft_config.dflash_config["target_layer_ids"])
+    cache = build_feature_cache(target, samples, layer_ids,
+                                os.path.join(args.out, "features-" + "_".join(map(str, layer_ids))),
+                                dtype=args.feature_dtype, target_name=os.path.abspath(args.target))
+    print(f"features: {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}")
+    if stages[-1] == "features":
+        return 0
+
+    run_dir = os.path.join(args.out, "runs", args.run_name or default_run_name(args, layer_ids))
+    gamma = None if not args.loss_decay else (args.gamma or default_gamma(args.block_size))
+    cfg = TrainConfig(blocks_per_seq=args.blocks_per_seq, batch_size=args.batch_size, lr=args.lr,
+                      warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      max_steps=args.steps, max_minutes=args.minutes, gamma=gamma, anchors=args.anchors,
+                      attention=args.attention, autocast=args.autocast, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+    evaluate = None
+    if args.eval_prompts:
+        eval_prompts = data.per_category(data.load_prompts(args.eval_prompts, tokenizer), args.eval_num)
+        stops = data.stop_token_ids(args.target, tokenizer)
+
+        def evaluate(draft):
+            return measure_tau(target, draft, eval_prompts, args.eval_max_new_tokens, stops)
+
+    draft = DFlashDraftModel(draft_config)
+    trainer = Trainer(draft, target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                      cache, cfg, run_dir, device, evaluate)
+    if not args.fresh and trainer.load_checkpoint():
+        print(f"resuming {run_dir} at step {trainer.step}")
+    n_params = sum(p.numel() for p in draft.parameters())
+    start = time.time()
+    result = trainer.train()
+    summary = {"run": run_dir, "target": os.path.abspath(args.target), "draft_parameters": n_params,
+               "target_layer_ids": layer_ids, "block_size": args.block_size, "num_layers": args.num_layers,
+               "anchors": args.anchors, "gamma": gamma, "train_sequences": len(trainer.train_idx),
+               "val_sequences": len(trainer.val_idx), "cache_tokens": cache.num_tokens,
+               "wall_minutes": (time.time() - start) / 60, **result}
+    if "export" in stages:
+        path = export_draft(trainer.draft.cpu().eval(), args.export or os.path.join(run_dir, "draft"),
+                            args.export_dtype)
+        summary["export"] = path
+        print(f"exported {path}")
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    nan = float("nan")
+    train, val = result.get("train") or {}, result.get("val") or {}
+    print(f"done: {result['steps']} steps in {result['minutes']:.1f} min; train loss {train.get('loss', nan):.3f}, "
+          f"val loss {val.get('loss', nan):.3f}, val acc@1 {val.get('acc1', nan):.3f}, "
+          f"val tau_est {val.get('tau_est', nan):.2f}")
+    if result.get("tau"):
+        print("tau: " + format_tau(result["tau"]))
+    return 0

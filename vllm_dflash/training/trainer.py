@@ -1,0 +1,350 @@
+"""The DFlash drafter training loop (nanoGPT-plain: one function per job).
+
+One step: take a batch of cached sequences, draw fresh anchors, build the packed
+rows (context features | N blocks of [anchor token, MASK x (B-1)]), run the draft
+with the sparse block mask, apply the target's frozen LM head to block positions
+1..B-1 and take the position-weighted cross-entropy. Only the draft's own
+parameters (fc, norms, layers) train; embedding and LM head stay the target's.
+
+Attention: flex attention with a `BlockMask` on CUDA (sparse, the recipe's
+choice); on CPU, SDPA with the dense boolean mask of the same predicate, because
+torch's flex attention has no CPU backward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from vllm_dflash.training.anchors import sample_anchors
+from vllm_dflash.training.features import FeatureCache
+from vllm_dflash.training.loss import block_labels, block_loss, position_weights
+from vllm_dflash.training.masks import block_position_ids, dense_mask, flex_block_mask
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    blocks_per_seq: int = 32      # anchors drawn per sequence per step
+    batch_size: int = 8           # sequences per step
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1     # cosine floor, as a fraction of lr
+    warmup: float = 0.04          # fraction of the run spent warming up
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    gamma: float | None = 7.0     # loss decay; None = uniform weights
+    anchors: str = "random"
+    attention: str = "auto"       # auto | sdpa | flex
+    autocast: str = "bf16"        # bf16 | fp32
+    val_fraction: float = 0.02
+    eval_every: int = 0           # steps between evaluations (0: only at the end)
+    checkpoint_every: int = 200   # steps between checkpoints
+    log_every: int = 10
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.max_steps is None and self.max_minutes is None:
+            raise ValueError("set --steps or --minutes: the LR schedule needs a run length")
+        for name in ("blocks_per_seq", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"attention={self.attention!r}: choose auto, sdpa or flex")
+        if self.autocast not in ("bf16", "fp32"):
+            raise ValueError(f"autocast={self.autocast!r}: choose bf16 or fp32")
+        if not 0 <= self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction={self.val_fraction} must be in [0, 0.5)")
+
+
+def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to `min_ratio` at progress 1."""
+    if progress < warmup:
+        return max(progress / warmup, 1e-3)
+    t = min((progress - warmup) / max(1.0 - warmup, 1e-9), 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = min(max(int(round(n * val_fraction)), 1 if val_fraction > 0 else 0), n - 1)
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def length_batches(indices: list[int], lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One epoch of batches; sequences of similar length share a batch (less padding)."""
+    order = list(indices)
+    rng.shuffle(order)
+    pool = batch_size * 32
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class Stats:
+    """Running sums over steps, reduced to the numbers the logs show."""
+
+    loss: float = 0.0
+    steps: int = 0
+    correct: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    streak: float = 0.0
+    blocks: float = 0.0
+    ce_sum: float = 0.0
+    ce_count: float = 0.0
+
+    def add(self, loss: float, s: dict) -> None:
+        self.loss += loss
+        self.steps += 1
+        c, n = s["correct"].cpu().double(), s["count"].cpu().double()
+        self.correct = c if self.correct is None else self.correct + c
+        self.count = n if self.count is None else self.count + n
+        self.streak += float(s["streak"])
+        self.blocks += float(s["blocks"])
+        self.ce_sum += float(s["ce_sum"])
+        self.ce_count += float(s["ce_count"])
+
+    def summary(self) -> dict:
+        acc = (self.correct[1:] / self.count[1:].clamp(min=1)).tolist()
+        return {"loss": self.loss / max(self.steps, 1), "ce": self.ce_sum / max(self.ce_count, 1),
+                "acc": acc, "acc1": acc[0], "acc_mean": sum(acc) / len(acc),
+                "tau_est": 1.0 + self.streak / max(self.blocks, 1)}
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor          # [b, S] long (padded with 0)
+    features: torch.Tensor        # [b, S, L*D]
+    prompt_lens: list[int]
+    seq_lens: list[int]
+
+
+def collate(cache: FeatureCache, indices: list[int]) -> Batch:
+    items = [cache[i] for i in indices]
+    width = max(len(t) for t, _, _ in items)
+    tokens = torch.zeros(len(items), width, dtype=torch.long)
+    feats = torch.zeros(len(items), width, items[0][2].shape[-1], dtype=items[0][2].dtype)
+    for row, (t, _, f) in enumerate(items):
+        tokens[row, :len(t)] = t
+        feats[row, :len(t)] = f
+    return Batch(tokens, feats, [p for _, p, _ in items], [len(t) for t, _, _ in items])
+
+
+def draft_blocks(draft, embed_weight: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
+                 anchors: torch.Tensor, attention: str = "sdpa") -> torch.Tensor:
+    """Draft hidden states [b, N, B, D] of N blocks per row in one packed forward.
+
+    Block j of a row is [tokens[a_j], MASK x (B-1)] at positions a_j..a_j+B-1 and
+    sees the features of positions < a_j: exactly the drafter's input at inference
+    when a_j is the last verified token (tests check the two agree).
+    """
+    bs = draft.block_size
+    batch, num_blocks = anchors.shape
+    noise_ids = torch.full((batch, num_blocks, bs), draft.mask_token_id, dtype=torch.long, device=tokens.device)
+    noise_ids[..., 0] = torch.gather(tokens, 1, anchors)
+    context_len = tokens.shape[1]
+    positions = block_position_ids(anchors, context_len, bs)
+    if attention == "flex":
+        mask = flex_block_mask(anchors, context_len, bs)
+    else:
+        mask = dense_mask(anchors, context_len, bs)
+    context = draft.project_context(features)
+    noise = F.embedding(noise_ids.flatten(1), embed_weight)
+    hidden = draft(noise, context, positions, attn_mask=mask)
+    return hidden.view(batch, num_blocks, bs, -1)
+
+
+class Trainer:
+    def __init__(self, draft, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, cache: FeatureCache,
+                 cfg: TrainConfig, out_dir: str, device: str | torch.device = "cpu",
+                 evaluate: Callable | None = None):
+        cfg.validate()
+        if list(cache.layer_ids) != list(draft.target_layer_ids):
+            raise ValueError(f"feature cache holds target layers {cache.layer_ids} but the draft reads "
+                             f"{list(draft.target_layer_ids)}; rebuild the cache or match --target-layer-ids")
+        self.cfg, self.out_dir, self.device = cfg, out_dir, torch.device(device)
+        self.draft = draft.to(self.device).float().train()
+        # float32 copies: a bf16 target's tables would otherwise force bf16 into fp32 runs.
+        self.embed_weight = embed_weight.detach().to(self.device, torch.float32)
+        self.lm_head_weight = lm_head_weight.detach().to(self.device, torch.float32)
+        self.cache = cache
+        self.block_size = draft.block_size
+        self.weights = position_weights(self.block_size, cfg.gamma).to(self.device)
+        self.evaluate = evaluate
+        self.attention = cfg.attention if cfg.attention != "auto" else (
+            "flex" if self.device.type == "cuda" else "sdpa")
+        if self.attention == "flex" and self.device.type != "cuda":
+            raise ValueError("attention=flex needs a CUDA device (torch's flex attention has no CPU "
+                             "backward); use attention=sdpa on CPU")
+        decay = [p for n, p in self.draft.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.draft.named_parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=cfg.lr, betas=(0.9, 0.95))
+        self.train_idx, self.val_idx = split_indices(len(cache), cfg.val_fraction, cfg.seed)
+        self.step = 0
+        self.elapsed = 0.0
+        self.epoch = self.epoch_pos = 0
+        self.blocks_seen = 0   # training blocks so far; each predicts B-1 tokens
+        self.history: list[dict] = []
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+    # -- one step -------------------------------------------------------------------------------
+    def forward_loss(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        bs = self.block_size
+        anchors, keep = sample_anchors(batch.prompt_lens, batch.seq_lens, bs, self.cfg.blocks_per_seq,
+                                       self.cfg.anchors, generator)
+        tokens = batch.tokens.to(self.device)
+        anchors, keep = anchors.to(self.device), keep.to(self.device)
+        use_bf16 = self.cfg.autocast == "bf16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            feats = batch.features.to(self.device)
+            hidden = draft_blocks(self.draft, self.embed_weight, tokens, feats if use_bf16 else feats.float(),
+                                  anchors, self.attention)
+            logits = F.linear(hidden[:, :, 1:], self.lm_head_weight)
+        return block_loss(logits, block_labels(tokens, anchors, bs), keep, self.weights)
+
+    def train_step(self, batch: Batch) -> tuple[float, dict]:
+        loss, stats = self.forward_loss(batch, self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        return float(loss.detach()), stats
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        """Loss and accuracy on held-out cached sequences, with fixed anchors per call."""
+        if not self.val_idx:
+            return None
+        self.draft.eval()
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        stats = Stats()
+        for i in range(0, len(self.val_idx), self.cfg.batch_size):
+            loss, s = self.forward_loss(collate(self.cache, self.val_idx[i:i + self.cfg.batch_size]), gen)
+            stats.add(float(loss), s)
+        self.draft.train()
+        return stats.summary()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def progress(self) -> float:
+        p = 0.0
+        if self.cfg.max_steps:
+            p = max(p, self.step / self.cfg.max_steps)
+        if self.cfg.max_minutes:
+            p = max(p, self.elapsed / (60 * self.cfg.max_minutes))
+        return p
+
+    def batch_stream(self):
+        """Endless seeded epochs; (epoch, epoch_pos) in the checkpoint make resumption exact."""
+        while True:
+            rng = random.Random(f"{self.cfg.seed}/{self.epoch}")
+            batches = length_batches(self.train_idx, self.cache.lengths, self.cfg.batch_size, rng)
+            while self.epoch_pos < len(batches):
+                self.epoch_pos += 1
+                yield batches[self.epoch_pos - 1]
+            self.epoch, self.epoch_pos = self.epoch + 1, 0
+
+    def run_eval(self) -> dict:
+        record = {"step": self.step, "minutes": self.elapsed / 60}
+        val = self.validate()
+        if val is not None:
+            record["val"] = val
+        if self.evaluate is not None:
+            self.draft.eval()
+            record["tau"] = self.evaluate(self.draft)
+            self.draft.train()
+        self.log(record)
+        return record
+
+    def log(self, record: dict) -> None:
+        self.history.append(record)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "history.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        window = Stats()
+        last: dict = {}
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="training drafter", unit="step")
+        stream = self.batch_stream()
+        tick = time.perf_counter()
+        while self.progress() < 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr * lr_factor(self.progress(), cfg.warmup, cfg.min_lr_ratio)
+            loss, stats = self.train_step(collate(self.cache, next(stream)))
+            self.step += 1
+            now = time.perf_counter()
+            self.elapsed += now - tick
+            tick = now
+            window.add(loss, stats)
+            self.blocks_seen += int(stats["blocks"])
+            if self.step % cfg.log_every == 0:
+                last = {"step": self.step, "minutes": self.elapsed / 60,
+                        "lr": self.optimizer.param_groups[0]["lr"], "train": window.summary()}
+                self.log(last)
+                s = last["train"]
+                acc = s["acc"]   # block positions 1, B/2 and B-1
+                bar.set_postfix(loss=f"{s['loss']:.3f}", tau_est=f"{s['tau_est']:.2f}",
+                                acc=f"{acc[0]:.2f}/{acc[len(acc) // 2]:.2f}/{acc[-1]:.2f}")
+                window = Stats()
+            bar.update(1)
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.run_eval()
+                tick = time.perf_counter()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+                tick = time.perf_counter()
+        bar.close()
+        if window.steps:
+            last = {"step": self.step, "minutes": self.elapsed / 60, "train": window.summary()}
+            self.log(last)
+        self.save_checkpoint()
+        final = self.run_eval()
+        return {"steps": self.step, "minutes": self.elapsed / 60, "blocks_trained": self.blocks_seen,
+                "positions_trained": self.blocks_seen * (self.block_size - 1), "train": last.get("train"),
+                "val": final.get("val"), "tau": final.get("tau")}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        state = {"draft": self.draft.state_dict(), "draft_config": self.draft.config.to_dict(),
+                 "optimizer": self.optimizer.state_dict(), "step": self.step, "elapsed": self.elapsed,
+                 "epoch": self.epoch, "epoch_pos": self.epoch_pos, "blocks_seen": self.blocks_seen,
+                 "generator": self.generator.get_state(), "train_config": asdict(self.cfg)}
+        path = os.path.join(self.out_dir, CHECKPOINT_NAME)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load_checkpoint(self) -> bool:
+        path = os.path.join(self.out_dir, CHECKPOINT_NAME)
+        if not os.path.exists(path):
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state["draft_config"] != self.draft.config.to_dict():
+            raise ValueError(f"checkpoint {path} is for another draft config; use --fresh to start over "
+                             "or another --out directory")
+        self.draft.load_state_dict(state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        self.epoch, self.epoch_pos = state["epoch"], state["epoch_pos"]
+        self.blocks_seen = state.get("blocks_seen", 0)
+        self.generator.set_state(state["generator"])
+        return True
