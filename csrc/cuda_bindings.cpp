@@ -1,10 +1,13 @@
 // CUDA implementations of the vllm_dflash ops: validate tensors, then call the
 // plain-CUDA launchers on the current stream. Built only when torch has CUDA.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cuda/launchers.h"
@@ -87,6 +90,141 @@ void write_context_kv_cuda(const at::Tensor& key, const at::Tensor& value,
                "write_context_kv");
 }
 
+
+int dtype_code(at::ScalarType t) {
+  return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
+}
+
+void context_kv_write_cuda(const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& k_norm_weight, double eps,
+                           const at::Tensor& cos_sin_cache,
+                           const at::Tensor& positions, bool is_neox,
+                           at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                           c10::string_view layout) {
+  const ContextKVShape s = check_context_kv_write_inputs(
+      key, value, k_norm_weight, cos_sin_cache, positions, kv_caches,
+      slot_mapping, layout);
+  TORCH_CHECK_VALUE(s.kv.layout == KVLayout::kFlash, "context_kv_write: CUDA "
+                    "caches use layout='flash'");
+  const c10::cuda::CUDAGuard guard(key.device());
+  const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const at::Tensor pos = positions.contiguous();
+  std::vector<void*> caches;
+  for (const at::Tensor& c : kv_caches) caches.push_back(c.data_ptr());
+  cuda::ContextKVWriteArgs a{};
+  a.key = k.const_data_ptr();
+  a.value = v.const_data_ptr();
+  for (int dim = 0; dim < 3; ++dim) {
+    a.key_stride[dim] = k.stride(dim);
+    a.value_stride[dim] = v.stride(dim);
+  }
+  a.k_norm_weight = k_norm_weight.const_data_ptr();
+  a.weight_stride[0] = k_norm_weight.stride(0);
+  a.weight_stride[1] = k_norm_weight.stride(1);
+  a.cos_sin_cache = cos_sin_cache.const_data_ptr();
+  a.cos_sin_stride[0] = cos_sin_cache.stride(0);
+  a.cos_sin_stride[1] = cos_sin_cache.stride(1);
+  a.positions = pos.const_data_ptr<int64_t>();
+  a.slot_mapping = slots.const_data_ptr<int64_t>();
+  a.caches = caches.data();
+  a.cache_block_stride = kv_caches[0].stride(0);
+  a.cache_head_stride = kv_caches[0].stride(1);
+  a.cache_token_stride = kv_caches[0].stride(2);
+  a.n = s.kv.n;
+  a.num_layers = s.num_layers;
+  a.num_heads = s.kv.num_heads;
+  a.head_size = s.kv.head_size;
+  a.rot_dim = s.rot_dim;
+  a.num_blocks = s.kv.num_blocks;
+  a.block_size = s.kv.block_size;
+  a.max_pos = s.max_pos;
+  a.eps = static_cast<float>(eps);
+  a.is_neox = is_neox;
+  a.dtype = dtype_code(key.scalar_type());
+  a.cos_sin_dtype = dtype_code(cos_sin_cache.scalar_type());
+  check_launch(cuda::launch_context_kv_write(
+                   a, c10::cuda::getCurrentCUDAStream(key.device().index()).stream()),
+               "context_kv_write");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor, at::Tensor, at::Tensor>
+prepare_dflash_inputs_cuda(const at::Tensor& query_start_loc,
+                           const std::optional<at::Tensor>& num_rejected,
+                           const at::Tensor& target_positions,
+                           const at::Tensor& slot_mapping,
+                           const at::Tensor& next_token_ids,
+                           const at::Tensor& block_table, int64_t block_size,
+                           int64_t mask_token_id, int64_t num_speculative_tokens,
+                           int64_t num_rows, bool compact) {
+  const PrepareShape s = check_prepare_dflash_inputs(
+      query_start_loc, num_rejected, target_positions, slot_mapping,
+      next_token_ids, block_table, block_size, num_speculative_tokens, num_rows);
+  TORCH_CHECK_VALUE(!compact || !num_rejected, "prepare_dflash_inputs: "
+                    "compact=True needs a host-side count of the verified rows; "
+                    "use compact=False on CUDA (rejected rows get slot -1)");
+  const c10::cuda::CUDAGuard guard(next_token_ids.device());
+  const auto i64 = next_token_ids.options().dtype(at::kLong);
+  const auto i32 = next_token_ids.options().dtype(at::kInt);
+  const int64_t B = s.batch, T = s.num_rows, q = s.q_len;
+  at::Tensor rows = at::empty({T}, i64), pos = at::empty({T}, i64),
+             ctx_slots = at::empty({T}, i64);
+  at::Tensor ids = at::empty({B * q}, i32), qpos = at::empty({B * q}, i64),
+             qslots = at::empty({B * q}, i64);
+  at::Tensor seq_lens = at::empty({B}, i32), qsl_out = at::empty({B + 1}, i32);
+  const at::Tensor qsl = query_start_loc.contiguous();
+  const at::Tensor tpos = target_positions.contiguous();
+  const at::Tensor tslot = slot_mapping.contiguous();
+  const at::Tensor next = next_token_ids.contiguous();
+  const at::Tensor rej = num_rejected ? num_rejected->contiguous() : at::Tensor();
+  cuda::PrepareInputsArgs a{};
+  a.query_start_loc = qsl.const_data_ptr<int32_t>();
+  a.num_rejected = rej.defined() ? rej.const_data_ptr() : nullptr;
+  a.num_rejected_int64 = rej.defined() && rej.scalar_type() == at::kLong;
+  a.target_positions = tpos.const_data_ptr<int64_t>();
+  a.slot_mapping = tslot.const_data_ptr<int64_t>();
+  a.next_token_ids = next.const_data_ptr();
+  a.next_token_ids_int64 = next.scalar_type() == at::kLong;
+  a.block_table = block_table.const_data_ptr<int32_t>();
+  a.block_table_stride = block_table.stride(0);
+  a.max_blocks = s.max_blocks;
+  a.block_size = block_size;
+  a.mask_token_id = mask_token_id;
+  a.q_len = q;
+  a.batch = B;
+  a.num_rows = T;
+  a.context_rows = rows.data_ptr<int64_t>();
+  a.context_positions = pos.data_ptr<int64_t>();
+  a.context_slots = ctx_slots.data_ptr<int64_t>();
+  a.input_ids = ids.data_ptr<int32_t>();
+  a.positions = qpos.data_ptr<int64_t>();
+  a.slots = qslots.data_ptr<int64_t>();
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc_out = qsl_out.data_ptr<int32_t>();
+  check_launch(cuda::launch_prepare_dflash_inputs(
+                   a, c10::cuda::getCurrentCUDAStream(next_token_ids.device().index()).stream()),
+               "prepare_dflash_inputs");
+  return {rows, pos, ctx_slots, ids, qpos, qslots, seq_lens, qsl_out};
+}
+
+
+at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  check_rms_norm_inputs(input, weight);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = input.contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t d = x.size(-1);
+  const int64_t rows = d == 0 ? 0 : x.numel() / d;
+  check_launch(cuda::launch_rms_norm(x.const_data_ptr(), w.const_data_ptr(), out.data_ptr(), rows, d,
+                                     static_cast<float>(eps), dtype_code(x.scalar_type()),
+                                     c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+               "rms_norm");
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_dflash
 
@@ -94,4 +232,7 @@ TORCH_LIBRARY_IMPL(vllm_dflash, CUDA, m) {
   m.impl("gather_hidden_states", &vllm_dflash::gather_hidden_states_cuda);
   m.impl("gather_hidden_states_out", &vllm_dflash::gather_hidden_states_out_cuda);
   m.impl("write_context_kv", &vllm_dflash::write_context_kv_cuda);
+  m.impl("context_kv_write", &vllm_dflash::context_kv_write_cuda);
+  m.impl("prepare_dflash_inputs", &vllm_dflash::prepare_dflash_inputs_cuda);
+  m.impl("rms_norm", &vllm_dflash::rms_norm_cuda);
 }

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -230,6 +231,192 @@ inline KVShape check_write_context_kv_inputs(const at::Tensor& key,
                       ", head_size=", d);
   }
   return s;
+}
+
+
+// ---------------------------------------------------------------------------
+// context_kv_write
+// ---------------------------------------------------------------------------
+
+struct ContextKVShape {
+  KVShape kv;          // per-layer cache shape (all layers alike) and layout
+  int64_t num_layers;  // L
+  int64_t rot_dim;     // rotated dims of each head (<= head_size, even)
+  int64_t max_pos;     // rows of cos_sin_cache
+};
+
+// key/value [n', L, H, d] (last dim dense or fixed up by the caller),
+// k_norm_weight [L, d] in key's dtype, cos_sin_cache [max_pos, rot_dim] =
+// cat(cos, sin) of any float dtype, positions int64 [>= n], L caches that
+// write_context_kv would accept for key[:, l].
+inline ContextKVShape check_context_kv_write_inputs(
+    const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& k_norm_weight, const at::Tensor& cos_sin_cache,
+    const at::Tensor& positions, at::TensorList kv_caches,
+    const at::Tensor& slot_mapping, std::string_view layout) {
+  TORCH_CHECK_VALUE(key.dim() == 4, "context_kv_write: key must be 4-D "
+                    "[n, num_layers, num_kv_heads, head_size], got shape ",
+                    key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "context_kv_write: value "
+                    "shape ", value.sizes(), " differs from key shape ",
+                    key.sizes());
+  const int64_t L = key.size(1), d = key.size(3);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) == L,
+                    "context_kv_write: got ", kv_caches.size(), " kv_caches "
+                    "for ", L, " layers in key; pass one cache per layer");
+  TORCH_CHECK_VALUE(L > 0, "context_kv_write: key has no layers");
+  TORCH_CHECK_VALUE(k_norm_weight.dim() == 2 && k_norm_weight.size(0) == L &&
+                        k_norm_weight.size(1) == d,
+                    "context_kv_write: k_norm_weight must be [", L, ", ", d,
+                    "] (one k_norm weight per layer), got ",
+                    k_norm_weight.sizes());
+  TORCH_CHECK_VALUE(k_norm_weight.scalar_type() == key.scalar_type(),
+                    "context_kv_write: k_norm_weight is ",
+                    k_norm_weight.scalar_type(), " but key is ",
+                    key.scalar_type(), "; cast it to the model dtype");
+  TORCH_CHECK_VALUE(cos_sin_cache.dim() == 2 &&
+                        (cos_sin_cache.scalar_type() == at::kFloat ||
+                         cos_sin_cache.scalar_type() == at::kHalf ||
+                         cos_sin_cache.scalar_type() == at::kBFloat16) &&
+                        cos_sin_cache.size(1) % 2 == 0 &&
+                        cos_sin_cache.size(1) > 0 && cos_sin_cache.size(1) <= d,
+                    "context_kv_write: cos_sin_cache must be a float32/16 "
+                    "[max_position, rotary_dim] tensor (cat(cos, sin), "
+                    "rotary_dim even and <= head_size ", d, "), got ",
+                    cos_sin_cache.scalar_type(), " ", cos_sin_cache.sizes());
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.scalar_type() == at::kLong &&
+                        positions.size(0) >= slot_mapping.size(0),
+                    "context_kv_write: positions must be 1-D int64 with at "
+                    "least ", slot_mapping.size(0), " entries (one per slot), "
+                    "got ", positions.scalar_type(), " ", positions.sizes());
+  for (const at::Tensor* t : {&k_norm_weight, &cos_sin_cache, &positions}) {
+    TORCH_CHECK_VALUE(t->device() == key.device(), "context_kv_write: all "
+                      "tensors must be on one device; key is on ", key.device(),
+                      " but another input is on ", t->device());
+  }
+  ContextKVShape s{};
+  s.num_layers = L;
+  s.rot_dim = cos_sin_cache.size(1);
+  s.max_pos = cos_sin_cache.size(0);
+  const at::Tensor k0 = key.select(1, 0), v0 = value.select(1, 0);
+  s.kv = check_write_context_kv_inputs(k0, v0, kv_caches[0], slot_mapping,
+                                       layout);
+  for (int64_t l = 1; l < L; ++l) {
+    const at::Tensor& c = kv_caches[l];
+    TORCH_CHECK_VALUE(c.sizes() == kv_caches[0].sizes() &&
+                          c.strides() == kv_caches[0].strides() &&
+                          c.scalar_type() == kv_caches[0].scalar_type() &&
+                          c.device() == kv_caches[0].device(),
+                      "context_kv_write: kv_caches[", l, "] (", c.scalar_type(),
+                      " ", c.sizes(), ", strides ", c.strides(), ") differs "
+                      "from kv_caches[0] (", kv_caches[0].scalar_type(), " ",
+                      kv_caches[0].sizes(), ", strides ", kv_caches[0].strides(),
+                      "); all draft layers must share one cache spec");
+  }
+  return s;
+}
+
+
+// ---------------------------------------------------------------------------
+// prepare_dflash_inputs
+// ---------------------------------------------------------------------------
+
+struct PrepareShape {
+  int64_t batch;       // B requests
+  int64_t num_rows;    // T rows of the target pass
+  int64_t q_len;       // k + 1
+  int64_t max_blocks;  // block_table.size(1)
+};
+
+inline PrepareShape check_prepare_dflash_inputs(
+    const at::Tensor& query_start_loc,
+    const std::optional<at::Tensor>& num_rejected,
+    const at::Tensor& target_positions, const at::Tensor& slot_mapping,
+    const at::Tensor& next_token_ids, const at::Tensor& block_table,
+    int64_t block_size, int64_t num_speculative_tokens, int64_t num_rows) {
+  auto is_index = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+  };
+  TORCH_CHECK_VALUE(next_token_ids.dim() == 1 && is_index(next_token_ids),
+                    "prepare_dflash_inputs: next_token_ids must be 1-D "
+                    "int32/int64 [num_reqs], got ", next_token_ids.scalar_type(),
+                    " ", next_token_ids.sizes());
+  const int64_t B = next_token_ids.size(0);
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 &&
+                        query_start_loc.scalar_type() == at::kInt &&
+                        query_start_loc.size(0) >= B + 1,
+                    "prepare_dflash_inputs: query_start_loc must be 1-D int32 "
+                    "with at least num_reqs + 1 = ", B + 1, " entries, got ",
+                    query_start_loc.scalar_type(), " ", query_start_loc.sizes());
+  if (num_rejected) {
+    TORCH_CHECK_VALUE(num_rejected->dim() == 1 && is_index(*num_rejected) &&
+                          num_rejected->size(0) >= B,
+                      "prepare_dflash_inputs: num_rejected must be 1-D "
+                      "int32/int64 with at least num_reqs = ", B,
+                      " entries, got ", num_rejected->scalar_type(), " ",
+                      num_rejected->sizes());
+  }
+  TORCH_CHECK_VALUE(num_rows >= 0 && target_positions.dim() == 1 &&
+                        target_positions.scalar_type() == at::kLong &&
+                        target_positions.size(0) >= num_rows,
+                    "prepare_dflash_inputs: target_positions must be 1-D int64 "
+                    "with at least num_rows = ", num_rows, " entries, got ",
+                    target_positions.scalar_type(), " ", target_positions.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 &&
+                        slot_mapping.scalar_type() == at::kLong &&
+                        slot_mapping.size(0) >= num_rows,
+                    "prepare_dflash_inputs: slot_mapping must be 1-D int64 with "
+                    "at least num_rows = ", num_rows, " entries, got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  TORCH_CHECK_VALUE(block_table.dim() == 2 &&
+                        block_table.scalar_type() == at::kInt &&
+                        block_table.size(0) >= B && block_table.size(1) > 0 &&
+                        block_table.stride(1) == 1,
+                    "prepare_dflash_inputs: block_table must be a row-major "
+                    "int32 [>= num_reqs, max_blocks] tensor, got ",
+                    block_table.scalar_type(), " ", block_table.sizes(),
+                    " strides ", block_table.strides());
+  TORCH_CHECK_VALUE(block_size > 0, "prepare_dflash_inputs: block_size must be "
+                    "positive, got ", block_size);
+  TORCH_CHECK_VALUE(num_speculative_tokens >= 0, "prepare_dflash_inputs: "
+                    "num_speculative_tokens must be >= 0, got ",
+                    num_speculative_tokens);
+  const at::Device dev = next_token_ids.device();
+  for (const at::Tensor* t : {&query_start_loc, &target_positions, &slot_mapping,
+                              &block_table}) {
+    TORCH_CHECK_VALUE(t->device() == dev, "prepare_dflash_inputs: all tensors "
+                      "must be on one device; next_token_ids is on ", dev,
+                      " but another input is on ", t->device());
+  }
+  if (num_rejected) {
+    TORCH_CHECK_VALUE(num_rejected->device() == dev, "prepare_dflash_inputs: "
+                      "num_rejected is on ", num_rejected->device(),
+                      " but next_token_ids is on ", dev);
+  }
+  return {B, num_rows, num_speculative_tokens + 1, block_table.size(1)};
+}
+
+
+// ---------------------------------------------------------------------------
+// rms_norm
+// ---------------------------------------------------------------------------
+
+inline void check_rms_norm_inputs(const at::Tensor& input, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(input.dim() >= 1, "rms_norm: input must have at least one dim");
+  const int64_t d = input.size(-1);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == d,
+                    "rms_norm: weight must be [", d, "] (the last dim of input), got ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.scalar_type() == input.scalar_type(),
+                    "rms_norm: weight is ", weight.scalar_type(), " but input is ",
+                    input.scalar_type(), "; cast one to the other");
+  TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat ||
+                        input.scalar_type() == at::kHalf ||
+                        input.scalar_type() == at::kBFloat16,
+                    "rms_norm: unsupported dtype ", input.scalar_type(),
+                    "; use float32, float16 or bfloat16");
+  TORCH_CHECK_VALUE(weight.device() == input.device(), "rms_norm: weight is on ",
+                    weight.device(), " but input is on ", input.device());
 }
 
 }  // namespace vllm_dflash

@@ -1,12 +1,7 @@
 // CPU scatter of context K/V into one layer of vLLM's paged KV cache.
 //
-// Layouts (per block b and KV head h; the page is [block_size, 2*head_size]):
-//   flash   : page[o, 0:d] = K[token], page[o, d:2d] = V[token]
-//   cpu_vec : K part (first N*d elements) is [d, N] (column per token),
-//             V part (next N*d) is [N, d]; vLLM's "vec" and "vec16" ISAs
-//   cpu_amx : bf16 pairs packed for AMX tiles, K part [N/16, d/2, 16, 2],
-//             V part [d/16, N/2, 16, 2]; vLLM's "amx" ISA
-// Values are copied bit for bit; negative slots are skipped.
+// Layouts: see kv_layout.h. Values are copied bit for bit; negative slots are
+// skipped.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -14,6 +9,7 @@
 #include <cstring>
 
 #include "../ops_common.h"
+#include "kv_layout.h"
 
 namespace vllm_dflash {
 namespace {
@@ -39,24 +35,8 @@ void write_kv(const KVShape& s, const at::Tensor& key, const at::Tensor& value,
       if (slot < 0) continue;
       const int64_t b = slot / N, o = slot % N;
       for (int64_t h = 0; h < H; ++h) {
-        const unit_t* kp = k + i * ks0 + h * ks1;
-        const unit_t* vp = v + i * vs0 + h * vs1;
-        unit_t* page = cache + b * cs0 + h * cs1;
-        if (layout == KVLayout::kFlash) {
-          unit_t* dst = page + o * cs2;
-          std::memcpy(dst, kp, d * sizeof(unit_t));
-          std::memcpy(dst + d, vp, d * sizeof(unit_t));
-        } else if (layout == KVLayout::kCpuVec) {
-          for (int64_t j = 0; j < d; ++j) page[j * N + o] = kp[j];
-          std::memcpy(page + N * d + o * d, vp, d * sizeof(unit_t));
-        } else {  // kCpuAmx, 16-bit elements: 2 per 32-bit lane
-          constexpr int64_t p = 4 / sizeof(unit_t);
-          unit_t* kblk = page + (o / 16) * 16 * d + (o % 16) * p;
-          for (int64_t j = 0; j < d; ++j) kblk[(j / p) * 16 * p + j % p] = kp[j];
-          unit_t* vblk = page + N * d + (o / p) * 16 * p + o % p;
-          for (int64_t j = 0; j < d; ++j)
-            vblk[(j / 16) * 16 * N + (j % 16) * p] = vp[j];
-        }
+        store_kv_head(layout, cache + b * cs0 + h * cs1, o, N, d, cs2,
+                      k + i * ks0 + h * ks1, v + i * vs0 + h * vs1);
       }
     }
   });

@@ -43,4 +43,65 @@ struct WriteKVFlashArgs {
 cudaError_t launch_write_kv_flash(const WriteKVFlashArgs& args,
                                   cudaStream_t stream);
 
+
+// context_kv_write on the FlashAttention layout: per (token i, layer l, head
+// h) with slot_mapping[i] >= 0, K = RoPE(RMSNorm(key[i, l, h]) * w[l]) at
+// positions[i], written with V = value[i, l, h] to caches[l][b, h, o].
+// Element strides; dtype / cache_dtype: 0 float32, 1 float16, 2 bfloat16.
+struct ContextKVWriteArgs {
+  const void* key;
+  const void* value;
+  int64_t key_stride[3];    // token, layer, head
+  int64_t value_stride[3];  // token, layer, head
+  const void* k_norm_weight;
+  int64_t weight_stride[2];  // layer, dim
+  const void* cos_sin_cache;
+  int64_t cos_sin_stride[2];  // position, dim
+  const int64_t* positions;
+  const int64_t* slot_mapping;
+  void* const* caches;  // host array of num_layers device pointers
+  int64_t cache_block_stride, cache_head_stride, cache_token_stride;
+  int64_t n, num_layers, num_heads, head_size, rot_dim;
+  int64_t num_blocks, block_size, max_pos;
+  float eps;
+  bool is_neox;
+  int dtype;
+  int cos_sin_dtype;
+};
+
+cudaError_t launch_context_kv_write(const ContextKVWriteArgs& args,
+                                    cudaStream_t stream);
+
+// prepare_dflash_inputs without compaction (see csrc/cpu/prepare_dflash_inputs.cpp
+// for the semantics): one thread block per request plus one for padding rows.
+struct PrepareInputsArgs {
+  const int32_t* query_start_loc;  // [B + 1]
+  const void* num_rejected;        // [B] or null
+  bool num_rejected_int64;
+  const int64_t* target_positions;  // [num_rows]
+  const int64_t* slot_mapping;      // [num_rows]
+  const void* next_token_ids;       // [B]
+  bool next_token_ids_int64;
+  const int32_t* block_table;  // [>= B, max_blocks], row stride below
+  int64_t block_table_stride;
+  int64_t max_blocks, block_size, mask_token_id, q_len, batch, num_rows;
+  int64_t* context_rows;       // [num_rows]
+  int64_t* context_positions;  // [num_rows]
+  int64_t* context_slots;      // [num_rows]
+  int32_t* input_ids;          // [B * q_len]
+  int64_t* positions;          // [B * q_len]
+  int64_t* slots;              // [B * q_len]
+  int32_t* seq_lens;           // [B]
+  int32_t* query_start_loc_out;  // [B + 1]
+};
+
+cudaError_t launch_prepare_dflash_inputs(const PrepareInputsArgs& args,
+                                         cudaStream_t stream);
+
+
+// RMSNorm of `rows` dense rows of d elements (see csrc/cpu/rms_norm.cpp);
+// dtype: 0 float32, 1 float16, 2 bfloat16 (input, weight and out alike).
+cudaError_t launch_rms_norm(const void* x, const void* weight, void* out, int64_t rows,
+                            int64_t d, float eps, int dtype, cudaStream_t stream);
+
 }  // namespace vllm_dflash::cuda

@@ -88,6 +88,17 @@ def _rope_keys(rope: nn.Module, positions: torch.Tensor, keys: torch.Tensor) -> 
     return rope.forward_native(positions, keys, None)[0]
 
 
+def _is_table_rope(rope: nn.Module) -> bool:
+    """True for vLLM's RotaryEmbedding and the subclasses that only change its
+    cos_sin_cache (Llama3, YaRN, linear/NTK scaling): their rotation is a
+    plain cos_sin_cache lookup, which ops.context_kv_write does itself."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    cls = type(rope)
+    methods = ("forward", "forward_native", "forward_static", "forward_cpu", "forward_cuda")
+    return isinstance(rope, RotaryEmbedding) and all(getattr(cls, m) is getattr(RotaryEmbedding, m) for m in methods)
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose K/V for context tokens come from target features."""
 
@@ -155,9 +166,13 @@ class DFlashAttention(nn.Module):
         cannot be sliced into DFlashModel.context_kv_proj)."""
         return self.qkv_proj(context)[0][:, self.q_size :]
 
+    def cache_layout(self) -> str | None:
+        """ops.write_context_kv layout of this layer's cache; None for other backends."""
+        return CACHE_LAYOUTS.get(self.attn.get_attn_backend().get_name())
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V at `slot_mapping` (-1 = skip) in this layer's paged cache."""
-        layout = CACHE_LAYOUTS.get(self.attn.get_attn_backend().get_name())
+        layout = self.cache_layout()
         if layout is not None:
             ops.write_context_kv(key, value, self.attn.kv_cache, slot_mapping, layout)
             return
@@ -271,23 +286,33 @@ class DFlashModel(nn.Module):
                 return_bias=False,
             )
 
-    def context_kv(
-        self, target_features: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of context tokens in every layer, [n, L, H_kv, d] each.
-
-        fc + hidden_norm, then all layers at once: one K/V projection, k_norm
-        with the layers' stacked weights, RoPE at the tokens' positions.
-        """
-        attns = [layer.self_attn for layer in self.layers]
-        attn = attns[0]
-        context = self.hidden_norm(self.fc(target_features))
-        n, num_layers = context.shape[0], len(attns)
+    def project_context_kv(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Raw K/V (before k_norm and RoPE) of context tokens in every layer,
+        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection."""
+        context = self.fc(target_features)
+        norm = self.hidden_norm
+        if norm.has_weight and norm.variance_size_override is None and norm.weight.dtype == context.dtype:
+            # vLLM's RMSNorm math in one native call (the module dispatches ~8
+            # torch ops here, outside any compiled graph).
+            context = ops.rms_norm(context, norm.weight, norm.variance_epsilon)
+        else:
+            context = norm(context)
+        attn = self.layers[0].self_attn
         if self.context_kv_proj is not None:
             kv = self.context_kv_proj(context)
         else:
-            kv = torch.stack([a.project_context_kv(context) for a in attns], dim=1)
-        kv = kv.view(n, num_layers, 2, attn.num_kv_heads, attn.head_dim)
+            kv = torch.stack([layer.self_attn.project_context_kv(context) for layer in self.layers], dim=1)
+        return kv.view(context.shape[0], len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
+
+    def norm_rope_context_kv(
+        self, kv: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of context tokens in every layer, [n, L, H_kv, d]
+        each, from `project_context_kv`'s output: k_norm with the layers'
+        stacked weights, RoPE at the tokens' positions, in torch (the fused
+        native version is ops.context_kv_write)."""
+        attn = self.layers[0].self_attn
+        n, num_layers = kv.shape[0], kv.shape[1]
         k, v = kv[:, :, 0], kv[:, :, 1]
         # k_norm of every layer in one pass (same arithmetic as vLLM's RMSNorm).
         k32 = k.float()
@@ -296,6 +321,27 @@ class DFlashModel(nn.Module):
         # All layers share one RoPE: rotate L * H_kv heads per token in one call.
         k = _rope_keys(attn.rotary_emb, positions, k.reshape(n, -1).contiguous())
         return k.view(n, num_layers, attn.num_kv_heads, attn.head_dim), v
+
+    def context_kv(
+        self, target_features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of context tokens in every layer, [n, L, H_kv, d] each."""
+        return self.norm_rope_context_kv(self.project_context_kv(target_features), positions)
+
+    def fused_context_kv_layout(self, kv_caches: list[torch.Tensor], dtype: torch.dtype) -> str | None:
+        """The cache layout when ops.context_kv_write can do k_norm + RoPE +
+        store of all layers in one call (same backend and cache spec in every
+        layer, table RoPE, unquantized cache in the model dtype), else None."""
+        attns = [layer.self_attn for layer in self.layers]
+        layouts = {a.cache_layout() for a in attns}
+        if len(layouts) != 1 or None in layouts or not _is_table_rope(attns[0].rotary_emb):
+            return None
+        first = kv_caches[0]
+        if first.dim() != 4 or self.k_norm_weight.dtype != dtype:
+            return None
+        if any(c.dtype != dtype or c.shape != first.shape or c.stride() != first.stride() for c in kv_caches):
+            return None
+        return layouts.pop()
 
     def finish_loading(self) -> None:
         """After the checkpoint is loaded: fill context_kv_proj with every
@@ -331,6 +377,9 @@ class DFlashDraftForCausalLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), start_layer_id=self.start_layer_id
         )
         self.lm_head: nn.Module | None = None  # the target's, set by the proposer
+        # (first layer's cache, dtype, ops.context_kv_write arguments or None):
+        # see _fused_context_kv.
+        self._fused_plan: tuple | None = None
         self.logits_processor = LogitsProcessor(self.config.vocab_size, scale=getattr(self.config, "logit_scale", 1.0))
 
     def forward(
@@ -356,12 +405,47 @@ class DFlashDraftForCausalLM(nn.Module):
         """Compute context K/V of `target_features` ([n, L*D], the concatenated
         target hidden states of n tokens) at `positions` and write them into
         every draft layer's cache at `slot_mapping` (-1 skips a row; None only
-        computes, for memory profiling)."""
-        keys, values = self.model.context_kv(target_features, positions)
+        computes, for memory profiling).
+
+        Per step this is four native calls: the fc GEMM, ops.rms_norm
+        (hidden_norm), the K/V GEMM of all layers, then ops.context_kv_write
+        for k_norm, RoPE and the cache stores of all layers. Backends or RoPE
+        variants the fused op does not cover take the torch path
+        (`norm_rope_context_kv` + per-layer `write_kv`)."""
+        model = self.model
+        kv = model.project_context_kv(target_features)
+        if slot_mapping is not None:
+            fused = self._fused_context_kv(kv)
+            if fused is not None:
+                caches, layout, eps, cos_sin_cache, is_neox = fused
+                key, value = kv.unbind(2)
+                ops.context_kv_write(
+                    key, value, model.k_norm_weight, eps, cos_sin_cache, positions, is_neox, caches, slot_mapping,
+                    layout,
+                )  # fmt: skip
+                return
+        keys, values = model.norm_rope_context_kv(kv, positions)
         if slot_mapping is None:
             return
         for i, attn in enumerate(self.attention_layers()):
             attn.write_kv(keys[:, i], values[:, i], slot_mapping)
+
+    def _fused_context_kv(self, kv: torch.Tensor) -> tuple | None:
+        """(caches, layout, k_norm eps, cos_sin_cache, neox) for
+        ops.context_kv_write, or None for the unfused path. Decided once (the
+        cos/sin table is a constant), again when vLLM re-binds the caches."""
+        first = self.model.layers[0].self_attn
+        plan = self._fused_plan
+        if plan is None or plan[0] is not first.attn.kv_cache or plan[1] != kv.dtype:
+            caches = [a.attn.kv_cache for a in self.attention_layers()]
+            layout = self.model.fused_context_kv_layout(caches, kv.dtype)
+            args = None
+            if layout is not None:
+                rope = first.rotary_emb
+                cos_sin_cache = rope.cos_sin_cache.to(device=kv.device, dtype=kv.dtype)
+                args = (caches, layout, first.k_norm.variance_epsilon, cos_sin_cache, rope.is_neox_style)
+            plan = self._fused_plan = (caches[0], kv.dtype, args)
+        return plan[2]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load z-lab names (`fc.weight`, `layers.N.self_attn.q_proj.weight`, ...)."""

@@ -1,6 +1,8 @@
 """Per-step inputs of the DFlash drafter, computed from the runner's batch.
 
-Plain torch on whatever device the batch lives on, no host syncs except the
+The readable specification of what `ops.prepare_dflash_inputs` computes in
+one native call on the proposer's hot path (tests/ops checks the two agree):
+plain torch on whatever device the batch lives on, no host syncs except the
 optional exact context count. Rows are tokens of the target's last forward
 pass, request-major (`query_start_loc` delimits requests); in a verification
 step a request's rows are `[last verified token, draft_1 .. draft_k]` and the

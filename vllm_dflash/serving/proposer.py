@@ -37,7 +37,6 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_dflash import ops
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
-from vllm_dflash.serving.inputs import build_query_block, select_context_rows
 
 logger = init_logger(__name__)
 
@@ -140,51 +139,61 @@ class DFlashProposer(SpecDecodeBaseProposer):
         `target_hidden_states` is what vLLM 0.32's runner hands every
         hidden-state drafter: the captured target layers already concatenated
         per token, [T, L*D], for all T tokens of the last target pass
-        (rejected drafts included). The selection of verified rows runs
-        through `ops.gather_hidden_states` on it (as a one-element list).
+        (rejected drafts included). Per step: `ops.prepare_dflash_inputs`
+        (context rows/positions/slots, the query block's ids/positions/slots
+        and lengths), `ops.gather_hidden_states` when some rows were rejected
+        (CPU), `store_context_kv` (fc and K/V GEMMs + `ops.context_kv_write`),
+        then vLLM's attention metadata and the query-block forward.
         """
         self.num_speculative_tokens = k = num_speculative_tokens
         self._last_draft_probs = None
         self.last_draft_probs = None
         cad = common_attn_metadata
         batch_size = next_token_ids.shape[0]
-        query_start_loc = cad.query_start_loc[: batch_size + 1]
+        num_rows = target_positions.shape[0]
+        q_len = k + 1
 
-        context = select_context_rows(
-            query_start_loc,
+        # One native call for every index the step needs. On CPU the context is
+        # compacted to the verified rows (the count is free on the host); on
+        # CUDA rejected rows stay, with slot -1, so nothing waits on the device.
+        step = ops.prepare_dflash_inputs(
+            cad.query_start_loc,
             num_rejected_tokens_gpu,
-            cad.slot_mapping,
-            num_rows=target_positions.shape[0],
-            exact=self.device.type == "cpu",
-        )
-        features = ops.gather_hidden_states([target_hidden_states], context.rows)
-        self.model.store_context_kv(features, target_positions[context.rows], context.slots)
-        if k == 0:  # the cache is in sync; nothing to draft
-            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
-
-        block = build_query_block(
-            next_token_ids,
             target_positions,
-            query_start_loc,
-            num_rejected_tokens_gpu,
-            cad.block_table_tensor[:batch_size],
+            cad.slot_mapping,
+            next_token_ids,
+            cad.block_table_tensor,
             self.block_size,
             self.mask_token_id,
             k,
+            num_rows,
+            self.device.type == "cpu",
         )
-        q_len = k + 1
-        upper = cad.seq_lens_cpu_upper_bound
+        if step.context_rows.shape[0] == num_rows:  # every row (rows are 0..num_rows-1): no gather
+            features = target_hidden_states if target_hidden_states.shape[0] == num_rows else target_hidden_states[:num_rows]
+        else:
+            features = ops.gather_hidden_states([target_hidden_states], step.context_rows)
+        self.model.store_context_kv(features, step.context_positions, step.context_slots)
+        if k == 0:  # the cache is in sync; nothing to draft
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+
+        if self.device.type == "cpu":  # the exact values are already on the host
+            query_start_loc_cpu, seq_lens_upper = step.query_start_loc, step.seq_lens
+        else:
+            query_start_loc_cpu = torch.arange(batch_size + 1, dtype=torch.int32) * q_len
+            upper = cad.seq_lens_cpu_upper_bound
+            seq_lens_upper = None if upper is None else upper[:batch_size] + q_len
         block_cad = CommonAttentionMetadata(
-            query_start_loc=block.query_start_loc,
-            query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32) * q_len,
-            seq_lens=block.seq_lens,
-            seq_lens_cpu_upper_bound=None if upper is None else upper[:batch_size] + q_len,
+            query_start_loc=step.query_start_loc,
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=step.seq_lens,
+            seq_lens_cpu_upper_bound=seq_lens_upper,
             num_reqs=batch_size,
             num_actual_tokens=batch_size * q_len,
             max_query_len=q_len,
             max_seq_len=cad.max_seq_len + q_len,
             block_table_tensor=cad.block_table_tensor[:batch_size],
-            slot_mapping=block.slots,
+            slot_mapping=step.slots,
             causal=False,
         )
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(block_cad)
@@ -192,9 +201,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
             per_layer_metadata,
             self.vllm_config,
             num_tokens=batch_size * q_len,
-            slot_mapping={name: block.slots for name in self._draft_attn_layer_names},
+            slot_mapping={name: step.slots for name in self._draft_attn_layer_names},
         ):
-            hidden_states = self.model(input_ids=block.input_ids, positions=block.positions)
+            hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
         # Row 0 of each block is the bonus token; rows 1..k predict the drafts.
         mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * k, -1)
         draft_ids, probs = self._draft_tokens(mask_hidden, sampling_metadata)
