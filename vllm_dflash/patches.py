@@ -9,7 +9,7 @@ vLLM version it was checked against and the signature it expects;
 | 1 | `ModelRegistry["DFlashDraftModel"]` | z-lab checkpoints load as `serving.draft_model.DFlashDraftForCausalLM` | 0.32.0 |
 | 2 | `v1.worker.gpu_model_runner.DFlashProposer` | the runner builds and `isinstance`-checks its drafter by this module name | 0.32.0 |
 | 3 | `config.vllm.VllmConfig._get_v2_model_runner_unsupported_features` | keep dflash on the V1 runner (patch 2); CUDA defaults to Model Runner V2 | 0.32.0 |
-| 4 | `engine.arg_utils.EngineArgs.create_speculative_config` | default draft / num_speculative_tokens, draft validation as ValueError | 0.32.0 |
+| 4 | `engine.arg_utils.EngineArgs.create_speculative_config` | default draft / num_speculative_tokens, draft validation as ValueError; our `draft_sample` key -> vLLM's `draft_sample_method` | 0.32.0 |
 | 5 | `v1.worker.gpu_model_runner.RejectionSampler` | DFlash verifies with `verifier.sampler.DFlashRejectionSampler` (vLLM's class for other methods) | 0.32.0 |
 | 6 | `sampling_params.SamplingParams._validate_spec_decode` | allow min_p with DFlash when our verifier serves (it applies min-p at draft positions) | 0.32.0 |
 | 7 | `v1.worker.gpu_model_runner.build_logitsprocs` | keep vLLM's min-p processor with DFlash when our verifier serves (vLLM drops it under speculation) | 0.32.0 |
@@ -115,6 +115,14 @@ def _complete_dflash_speculative_config() -> None:
                 added, cfg = resolve_dflash_speculative_config(spec, target_model_config)
                 if added:
                     self.speculative_config = {**(self.speculative_config or {}), **added}
+            # SpeculativeConfig forbids unknown keys: `draft_sample` becomes vLLM's draft_sample_method.
+            from vllm_dflash.serving.draft_sample import vllm_draft_sample_method
+
+            sample_method = vllm_draft_sample_method(spec, use_default=use_plugin_impl())
+            if sample_method is not None:
+                kept = {k: v for k, v in (self.speculative_config or {}).items()
+                        if k.replace("-", "_") not in ("draft_sample", "draft_sample_method")}
+                self.speculative_config = {**kept, "draft_sample_method": sample_method}
             result = original(self, target_model_config, target_parallel_config)
             if cfg is not None and result is not None and result.draft_model_config is not None:
                 # The runner captures the aux layers named here; a draft that
@@ -157,7 +165,9 @@ SERVING_PATCHES: list[Patch] = [
         module="vllm.engine.arg_utils",
         symbol="EngineArgs.create_speculative_config",
         why="fill a missing draft model (known-targets table) and num_speculative_tokens "
-        "(block_size - 1) and validate the draft config before SpeculativeConfig fails deep",
+        "(block_size - 1) and validate the draft config before SpeculativeConfig fails deep; "
+        "translate vllm-dflash's draft_sample key (argmax|sample; SpeculativeConfig forbids "
+        "unknown keys) into vLLM's draft_sample_method (greedy|probabilistic)",
         signature=("self", "target_model_config", "target_parallel_config"),
         install=_complete_dflash_speculative_config,
         plugin_only=False,
