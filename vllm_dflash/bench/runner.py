@@ -1,0 +1,260 @@
+"""One benchmark mode on one fresh engine, in its own process.
+
+`python -m vllm_dflash.bench.runner SPEC.json RESULT.json`. The parent
+(`bench.cli`) writes SPEC (mode, models, token-id prompts, sampling, sweep)
+and sets the environment the mode needs (VLLM_DFLASH_IMPL). A process per
+mode keeps engines from sharing memory, compiled state, patches or the
+Prometheus registry, so each mode is measured as a user would run it.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
+runner can time the model runner's steps and its draft calls directly and
+record which proposer class actually ran.
+
+Concurrency c means offline batches of c requests through LLM.generate;
+each category's prompts are cycled to fill every batch. Only the generate
+calls are timed; counters are read around each (category, concurrency)
+cell. One engine serves every concurrency (max_num_seqs = the largest): a
+batch of c requests never has more than c running.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
+PROFILE_ENV = "VLLM_DFLASH_PROFILE_FILE"
+
+
+def speculative_config(spec: dict) -> dict | None:
+    """vLLM speculative_config of a mode."""
+    mode, k = spec["mode"], spec.get("num_spec_tokens")
+    if mode == "none":
+        return None
+    if mode in ("dflash", "dflash-vllm"):
+        cfg = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": k}
+        sample = spec.get("draft_sample")
+        if sample is not None:
+            # The plugin's key for the plugin; vLLM's own key (same meaning) for the in-tree proposer.
+            if mode == "dflash":
+                cfg["draft_sample"] = sample
+            else:
+                cfg["draft_sample_method"] = {"argmax": "greedy", "sample": "probabilistic"}[sample]
+        return cfg
+    if mode == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if mode == "eagle3":
+        return {"method": "eagle3", "model": spec["eagle3_head"], "num_speculative_tokens": k}
+    raise ValueError(f"mode={mode!r}: choose one of {', '.join(MODES)}")
+
+
+def mode_env(mode: str) -> dict[str, str | None]:
+    """Environment changes of a mode (None = unset): dflash runs the plugin's
+    proposer, dflash-vllm vLLM's in-tree one."""
+    return {"VLLM_DFLASH_IMPL": "vllm" if mode == "dflash-vllm" else None}
+
+
+def digest(token_ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
+
+
+def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
+    """Cycle prompts to a multiple of `concurrency` and cut them into full batches."""
+    n = math.ceil(len(prompts) / concurrency) * concurrency
+    cycled = [prompts[i % len(prompts)] for i in range(n)]
+    return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
+
+
+class StepTimer:
+    """Wall time in the model runner's steps and in its draft proposals.
+
+    Wraps the runner instance's execute_model + sample_tokens (one engine step,
+    target forward, verification and drafting) and propose_draft_token_ids
+    (drafting only); target/verify time = step - draft.
+    """
+
+    def __init__(self, model_runner: Any, sync: bool):
+        self.step_s = 0.0
+        self.draft_s = 0.0
+        self._sync = sync
+        for name in ("execute_model", "sample_tokens"):
+            setattr(model_runner, name, self._wrap(getattr(model_runner, name), "step_s"))
+        model_runner.propose_draft_token_ids = self._wrap(model_runner.propose_draft_token_ids, "draft_s")
+
+    def _wrap(self, fn, field_name: str):
+        def timed(*args, **kwargs):
+            self._synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._synchronize()
+                setattr(self, field_name, getattr(self, field_name) + time.perf_counter() - t0)
+        return timed
+
+    def _synchronize(self) -> None:
+        if self._sync:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def model_runner_of(llm: Any) -> Any | None:
+    """The in-process model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        return core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
+def read_profile(path: str | None) -> dict | None:
+    """The proposer's own profile (see bench docs): {"phases": {name: {"calls", "seconds"}}}."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def profile_delta(before: dict | None, after: dict | None) -> dict | None:
+    if not after or "phases" not in after:
+        return None
+    prev = (before or {}).get("phases", {})
+    out = {}
+    for name, cur in after["phases"].items():
+        old = prev.get(name, {})
+        out[name] = {"calls": int(cur.get("calls", 0)) - int(old.get("calls", 0)),
+                     "seconds": float(cur.get("seconds", 0.0)) - float(old.get("seconds", 0.0))}
+    return out
+
+
+def run(spec: dict) -> dict:
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_dflash.bench.metrics import SpecCounters
+
+    spec_cfg = speculative_config(spec)
+    concurrency = list(spec["concurrency"])
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["target"],
+        skip_tokenizer_init=not spec["has_tokenizer"],
+        speculative_config=spec_cfg,
+        max_num_seqs=max(concurrency),
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=False,  # repeats and warmup must not hit cached prefixes
+        disable_log_stats=False,  # LLM.get_metrics() needs stat logging
+        # Per-request acceptance histograms on each RequestOutput (vLLM >= 0.32).
+        per_request_spec_decode_metrics="summary" if spec_cfg else "none",
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
+        seed=spec["seed"],
+        **spec.get("engine_kwargs", {}),
+    )
+    engine_start_s = time.perf_counter() - t0
+    model_runner = model_runner_of(llm)
+    drafter = getattr(model_runner, "drafter", None) if model_runner is not None else None
+    proposer = None if drafter is None else f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+    timer = None
+    if model_runner is not None and spec.get("time_steps", True):
+        import torch
+
+        timer = StepTimer(model_runner, sync=torch.cuda.is_available())
+    profile_file = os.environ.get(PROFILE_ENV)
+
+    def params(i: int) -> Any:
+        return SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"],
+                              ignore_eos=spec["ignore_eos"], detokenize=False,
+                              seed=None if spec["temperature"] == 0 else spec["seed"] + i)
+
+    def generate(batch: list[list[int]]):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
+        return llm.generate(prompts, [params(i) for i in range(len(batch))], use_tqdm=False)
+
+    def counters() -> SpecCounters:
+        return SpecCounters.from_metrics(llm.get_metrics())
+
+    all_prompts = [p for ps in spec["prompts"].values() for p in ps]
+    for _ in range(spec["warmup"]):  # one batch per batch size: first-call costs stay out of the timing
+        for c in concurrency:
+            generate(batches_for(all_prompts, c)[0])
+
+    cells = []
+    total = len(spec["prompts"]) * len(concurrency) * spec["repeats"]
+    bar = tqdm(total=total, desc=f"{spec['mode']} k={spec.get('num_spec_tokens')}", file=sys.stderr)
+    for category, prompts in spec["prompts"].items():
+        for c in concurrency:
+            batches = batches_for(prompts, c)
+            cell: dict[str, Any] = {"category": category, "concurrency": c, "wall_s": 0.0,
+                                    "prompt_tokens": 0, "output_tokens": 0, "requests": [],
+                                    "output_digests": []}
+            if spec["keep_outputs"]:
+                cell["output_token_ids"] = []
+            start = counters()
+            step0 = (timer.step_s, timer.draft_s) if timer else None
+            prof0 = read_profile(profile_file)
+            for rep in range(spec["repeats"]):
+                for batch in batches:
+                    t = time.perf_counter()
+                    outs = generate(batch)
+                    cell["wall_s"] += time.perf_counter() - t
+                    for o in outs:
+                        ids = list(o.outputs[0].token_ids)
+                        m = o.metrics
+                        cell["prompt_tokens"] += len(o.prompt_token_ids)
+                        cell["output_tokens"] += len(ids)
+                        req = {"queued_ts": m.queued_ts, "first_token_ts": m.first_token_ts,
+                               "last_token_ts": m.last_token_ts, "num_output_tokens": len(ids)}
+                        sd = getattr(o.outputs[0], "spec_decode_metrics", None)
+                        if sd is not None:
+                            req["spec_histogram"] = list(sd.histogram)
+                            req["spec_draft_tokens"] = int(sd.num_draft_tokens)
+                        cell["requests"].append(req)
+                        if rep == 0:
+                            cell["output_digests"].append(digest(ids))
+                            if spec["keep_outputs"]:
+                                cell["output_token_ids"].append(ids)
+                bar.update(1)
+            cell["counters"] = (counters() - start).to_dict() if spec_cfg else None
+            if timer:
+                cell["step_s"] = timer.step_s - step0[0]
+                cell["draft_s"] = timer.draft_s - step0[1] if spec_cfg else 0.0
+            cell["proposer_profile"] = profile_delta(prof0, read_profile(profile_file))
+            cells.append(cell)
+    bar.close()
+    return {"mode": spec["mode"], "num_spec_tokens": spec.get("num_spec_tokens"), "proposer": proposer,
+            "engine_start_s": engine_start_s, "cells": cells}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m vllm_dflash.bench.runner SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    tmp = argv[1] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip the engine's interpreter-exit teardown (seconds on CPU): the result is on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
