@@ -3,7 +3,7 @@
 # run from the repo root; finishes in under 5 minutes:
 #   1. build vllm_dflash._C with CUDA in place (CMake; torch.utils.cpp_extension
 #      if CMake is missing or fails);
-#   2. run tests/ops (every test on cpu and cuda);
+#   2. run tests/ops (every test on cpu and cuda) and the compiled flex-attention training check;
 #   3. microbenchmark gather_hidden_states / write_context_kv at Qwen3-8B sizes
 #      (D=4096, L=5, H=8, d=128, bf16, n=16..4096), native vs torch reference,
 #      each size first checked bit-exact; JSON to $OUT/gpu_check.json if OUT is set.
@@ -92,7 +92,7 @@ fi
 log "running tests/ops (cpu + cuda)"
 if ! "$PY" -c 'import pytest' 2>/dev/null; then
   log "FAIL: pytest is not installed (carry .whl/gpu_check)"; status=1
-elif ! timed tests timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider tests/ops -rs; then
+elif ! timed tests timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_training_masks.py -rs; then
   log "FAIL: tests/ops"; status=1
 fi
 

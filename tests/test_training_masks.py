@@ -71,6 +71,36 @@ def test_flex_block_mask_equals_dense_mask_in_attention():
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_attention_has_no_cpu_backward_in_this_torch():
+    """Why CPU training uses SDPA + a dense mask: fails (and should be revisited) once torch adds it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    anchors = torch.tensor([[3, 5]])
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    k = torch.randn(1, 2, 12 + 8, 16)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        torch.compile(flex_attention)(q, k, k, block_mask=flex_block_mask(anchors, 12, 4)).sum().backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention training runs on CUDA")
+def test_compiled_flex_attention_matches_sdpa_forward_and_backward_on_cuda():
+    from vllm_dflash.reference.model import _attention
+
+    anchors = torch.tensor([[3, 5, 9], [4, 6, 0]], device="cuda")
+    S, B = 12, 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 3 * B, 16, generator=gen, device="cuda", requires_grad=True)
+    k = torch.randn(2, 2, S + 3 * B, 16, generator=gen, device="cuda", requires_grad=True)
+    v = torch.randn(2, 2, S + 3 * B, 16, generator=gen, device="cuda", requires_grad=True)
+    flex = _attention(q, k, v, flex_block_mask(anchors, S, B))
+    grads = torch.autograd.grad(flex.square().sum(), (q, k, v))
+    sdpa = _attention(q, k, v, dense_mask(anchors, S, B).cuda())
+    ref_grads = torch.autograd.grad(sdpa.square().sum(), (q, k, v))
+    torch.testing.assert_close(flex, sdpa, atol=2e-5, rtol=2e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_target(vocab_size=128, hidden_size=64, num_layers=4)

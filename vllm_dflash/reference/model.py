@@ -176,12 +176,29 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
+_COMPILED_FLEX: Any = None
+
+
+def _flex_attention():
+    """flex_attention compiled once (on CUDA): eager flex attention is a slow
+    reference path that materialises the scores; compiled, it becomes one fused
+    kernel that skips the BlockMask's empty tiles."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> torch.Tensor:
     """Non-causal GQA attention; a flex-attention BlockMask selects flex attention."""
     if attn_mask is not None and type(attn_mask).__name__ == "BlockMask":
+        if q.is_cuda:
+            return _flex_attention()(q, k, v, block_mask=attn_mask, enable_gqa=True)
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)
+        return flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=True)  # CPU: inference only
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
 
 
