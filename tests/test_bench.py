@@ -361,6 +361,10 @@ def test_bench_end_to_end(tmp_path):
         assert c["speedup"] > 0 and c["speedup_p50"] > 0, where
         assert c["outputs_match_none"] == 1.0, where  # greedy DFlash is lossless
         assert 0 < c["step_s"] <= c["wall_s"], where
+        split = c["step_split_ms"]  # target forward, draft, verify and overhead partition a step
+        assert split["target"] > 0 and split["verify"] > 0 and split["overhead"] >= 0, where
+        assert sum(split[p] for p in ("target", "draft", "verify", "overhead")) == pytest.approx(split["step"])
+        assert c["steps"] * split["step"] / 1e3 == pytest.approx(c["step_s"]), where
         if c["mode"] == "none":
             assert "acceptance" not in c and c["draft_s"] == 0.0, where
             continue
@@ -381,7 +385,7 @@ def test_bench_end_to_end(tmp_path):
     assert max(c["acceptance"]["mean_length"] for c in dflash_all) > 1.2  # trained pair: drafts accepted
 
     md = (out / "results.md").read_text()
-    assert "| dflash-vllm | 7 | 2 |" in md and "| draft layers | B |" in md
+    assert "| dflash-vllm | 7 | 2 |" in md and "| draft layers | B |" in md and "| mode | k | conc | steps |" in md
 
     rows = doc["draft_cost"]["rows"]
     assert {(r["layers"], r["block_size"]) for r in rows} == {(1, 4), (1, 8), (2, 4), (2, 8)}

@@ -308,6 +308,25 @@ def tau_table(cells: list[dict], markdown: bool = False) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head] + rows)
 
 
+def split_table(cells: list[dict], markdown: bool = False) -> str:
+    """Mean engine-step time split (ms per step) of every mode, all categories pooled."""
+    head = ["mode", "k", "conc", "steps", "step ms", "target", "draft", "verify", "overhead", "tok/step"]
+    rows = []
+    for c in cells:
+        split = c.get("step_split_ms")
+        if c["category"] != "all" or not split:
+            continue
+        rows.append([c["mode"], _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]), str(c["steps"]),
+                     *(f"{split[p]:.2f}" for p in ("step", "target", "draft", "verify", "overhead")),
+                     f"{c['output_tokens'] / c['steps']:.2f}"])
+    if not rows:
+        return ""
+    if markdown:
+        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head] + rows)
+
+
 def draft_cost_table(cost: dict, markdown: bool = False) -> str:
     head = ["draft layers", "B", "DFlash ms", "autoregressive ms", "AR / DFlash"]
     rows = [[str(r["layers"]), str(r["block_size"]), f"{r['dflash_ms']:.2f}", f"{r['autoregressive_ms']:.2f}",
@@ -329,6 +348,10 @@ def markdown_report(doc: dict) -> str:
         parts += ["", "All categories pooled:", "", table(doc["results"], "all", markdown=True), "",
                   "Acceptance length (tau, accepted + bonus) per category, lowest concurrency:", "",
                   tau_table(doc["results"], markdown=True)]
+        if split_table(doc["results"]):
+            parts += ["", "Engine step time split (ms per step; overhead = the step outside target forward, "
+                      "drafting and verification; tok/step = output tokens per step over all requests):", "",
+                      split_table(doc["results"], markdown=True)]
     if doc.get("draft_cost"):
         parts += ["", "Draft time per round (torch, CPU):", "", draft_cost_table(doc["draft_cost"], markdown=True)]
     return "\n".join(parts) + "\n"
@@ -451,6 +474,9 @@ def print_report(doc: dict) -> None:
         if len(cats) > 1 and tau_table(doc["results"]):
             print("\nAcceptance length (tau) per category at the lowest concurrency:")
             print(tau_table(doc["results"]))
+        if split_table(doc["results"]):
+            print("\nEngine step time split (ms per step):")
+            print(split_table(doc["results"]))
         for run in doc["runs"]:
             if run["proposer"]:
                 print(f"  {run_name(run['mode'], run['num_spec_tokens'])}: proposer {run['proposer']}")

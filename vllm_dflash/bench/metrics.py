@@ -193,6 +193,15 @@ def summarize(measurement: Mapping[str, Any]) -> dict:
         fig["draft_s"] = draft_s
         fig["draft_fraction"] = draft_s / step_s
         fig["target_verify_s"] = step_s - draft_s
+        steps = measurement.get("steps")
+        if steps and measurement.get("target_s") is not None:
+            target, verify = measurement["target_s"], measurement.get("verify_s") or 0.0
+            fig["steps"] = int(steps)
+            # Mean milliseconds per engine step; overhead = the step outside the three parts.
+            fig["step_split_ms"] = {
+                "target": 1e3 * target / steps, "draft": 1e3 * draft_s / steps,
+                "verify": 1e3 * verify / steps, "overhead": 1e3 * (step_s - target - verify - draft_s) / steps,
+                "step": 1e3 * step_s / steps}
     if measurement.get("proposer_profile"):
         fig["proposer_profile"] = measurement["proposer_profile"]
     return fig
@@ -230,7 +239,8 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
                            "output_digests": [],
                            "concurrency": measurements[0].get("concurrency")}
     counters = None
-    step_s = draft_s = 0.0
+    parts = ("step_s", "draft_s", "target_s", "verify_s", "steps")
+    sums = dict.fromkeys(parts, 0.0)
     timed = all(m.get("step_s") is not None for m in measurements)
     for m in measurements:
         out["wall_s"] += m["wall_s"]
@@ -242,8 +252,8 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
             c = SpecCounters.from_dict(m["counters"])
             counters = c if counters is None else counters + c
         if timed:
-            step_s += m["step_s"]
-            draft_s += m.get("draft_s") or 0.0
+            for name in parts:
+                sums[name] += m.get(name) or 0.0
     out["counters"] = counters.to_dict() if counters is not None else None
     profiles = [m["proposer_profile"] for m in measurements if m.get("proposer_profile")]
     if profiles:
@@ -255,5 +265,7 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
                 acc["seconds"] += v["seconds"]
         out["proposer_profile"] = merged
     if timed:
-        out["step_s"], out["draft_s"] = step_s, draft_s
+        out.update(sums)
+        if not all(m.get("target_s") is not None for m in measurements):
+            del out["target_s"]  # an old-format measurement: no split
     return out

@@ -70,24 +70,54 @@ def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[in
     return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
 
 
-class StepTimer:
-    """Wall time in the model runner's steps and in its draft proposals.
+TIMED_PARTS = ("step_s", "draft_s", "target_s", "verify_s", "steps")
 
-    Wraps the runner instance's execute_model + sample_tokens (one engine step,
-    target forward, verification and drafting) and propose_draft_token_ids
-    (drafting only); target/verify time = step - draft.
+
+class StepTimer:
+    """Wall time of the model runner's steps, split into their parts.
+
+    Wraps, on the runner instance: execute_model + sample_tokens (one engine
+    step, everything below), _model_forward (the target forward), the sampler
+    and the rejection sampler (verification; plain sampling without
+    speculation) and propose_draft_token_ids (drafting). The rest of a step
+    (input preparation, bookkeeping) is its overhead. `steps` counts
+    execute_model calls.
     """
 
     def __init__(self, model_runner: Any, sync: bool):
-        self.step_s = 0.0
-        self.draft_s = 0.0
+        for name in TIMED_PARTS:
+            setattr(self, name, 0.0)
         self._sync = sync
+        self._active: set[str] = set()
         for name in ("execute_model", "sample_tokens"):
             setattr(model_runner, name, self._wrap(getattr(model_runner, name), "step_s"))
+        model_runner.execute_model = self._count(model_runner.execute_model)
         model_runner.propose_draft_token_ids = self._wrap(model_runner.propose_draft_token_ids, "draft_s")
+        if hasattr(model_runner, "_model_forward"):
+            model_runner._model_forward = self._wrap(model_runner._model_forward, "target_s")
+        for name in ("sampler", "rejection_sampler"):
+            module = getattr(model_runner, name, None)
+            if module is not None and hasattr(module, "forward"):
+                module.forward = self._wrap(module.forward, "verify_s")
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in TIMED_PARTS}
+
+    def _count(self, fn):
+        def counted(*args, **kwargs):
+            self.steps += 1
+            return fn(*args, **kwargs)
+        return counted
 
     def _wrap(self, fn, field_name: str):
+        """Time fn into field_name; nested calls of the same field count once
+        (the rejection sampler calls the runner's sampler inside)."""
+        active = self._active
+
         def timed(*args, **kwargs):
+            if field_name in active:
+                return fn(*args, **kwargs)
+            active.add(field_name)
             self._synchronize()
             t0 = time.perf_counter()
             try:
@@ -95,6 +125,7 @@ class StepTimer:
             finally:
                 self._synchronize()
                 setattr(self, field_name, getattr(self, field_name) + time.perf_counter() - t0)
+                active.discard(field_name)
         return timed
 
     def _synchronize(self) -> None:
@@ -200,7 +231,7 @@ def run(spec: dict) -> dict:
             if spec["keep_outputs"]:
                 cell["output_token_ids"] = []
             start = counters()
-            step0 = (timer.step_s, timer.draft_s) if timer else None
+            step0 = timer.snapshot() if timer else None
             prof0 = read_profile(profile_file)
             for rep in range(spec["repeats"]):
                 for batch in batches:
@@ -226,8 +257,10 @@ def run(spec: dict) -> dict:
                 bar.update(1)
             cell["counters"] = (counters() - start).to_dict() if spec_cfg else None
             if timer:
-                cell["step_s"] = timer.step_s - step0[0]
-                cell["draft_s"] = timer.draft_s - step0[1] if spec_cfg else 0.0
+                now = timer.snapshot()
+                cell.update({name: now[name] - step0[name] for name in TIMED_PARTS})
+                if not spec_cfg:
+                    cell["draft_s"] = 0.0
             cell["proposer_profile"] = profile_delta(prof0, read_profile(profile_file))
             cells.append(cell)
     bar.close()
