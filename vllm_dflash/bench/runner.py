@@ -20,6 +20,7 @@ batch of c requests never has more than c running.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -27,8 +28,9 @@ import sys
 import time
 from typing import Any
 
+from vllm_dflash.serving.profile import PROFILE_ENV  # the proposer writes it; no vLLM import
+
 MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
-PROFILE_ENV = "VLLM_DFLASH_PROFILE_FILE"
 
 
 def speculative_config(spec: dict) -> dict | None:
@@ -202,14 +204,18 @@ def run(spec: dict) -> dict:
         timer = StepTimer(model_runner, sync=torch.cuda.is_available())
     profile_file = os.environ.get(PROFILE_ENV)
 
-    def params(i: int) -> Any:
+    request_index = itertools.count()
+
+    def params() -> Any:
+        # Sampled runs: every request its own seed, the same sequence of seeds in every mode
+        # (one seed for all requests would make them one correlated sample).
         return SamplingParams(temperature=spec["temperature"], max_tokens=spec["max_tokens"],
                               ignore_eos=spec["ignore_eos"], detokenize=False,
-                              seed=None if spec["temperature"] == 0 else spec["seed"] + i)
+                              seed=None if spec["temperature"] == 0 else spec["seed"] + next(request_index))
 
     def generate(batch: list[list[int]]):
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
-        return llm.generate(prompts, [params(i) for i in range(len(batch))], use_tqdm=False)
+        return llm.generate(prompts, [params() for _ in batch], use_tqdm=False)
 
     def counters() -> SpecCounters:
         return SpecCounters.from_metrics(llm.get_metrics())

@@ -36,6 +36,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_dflash import ops
+from vllm_dflash.serving import profile
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 
 logger = init_logger(__name__)
@@ -80,6 +81,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 f"the draft loaded as {type(model).__name__}; vllm-dflash needs "
                 "architectures=['DFlashDraftModel'] in the draft's config.json"
             )
+        profile.install(self)  # no-op unless VLLM_DFLASH_PROFILE_FILE is set
 
     def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
         inner = getattr(target_language_model, "model", None)
@@ -224,4 +226,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             return draft_ids, probs
         logits = self.model.compute_logits(hidden_states)
         probs = logits.softmax(dim=-1, dtype=torch.float32) if self.keep_draft_probs else None
+        if logits.dtype != torch.float32 and logits.device.type == "cpu":
+            # CPU argmax over bf16/fp16 is several times slower than converting first
+            # (the conversion is exact, so the result and its tie-breaking are the same).
+            logits = logits.float()
         return logits.argmax(dim=-1), probs
