@@ -65,12 +65,27 @@ def per_draft_token(values: torch.Tensor | None, metadata: SpecDecodeMetadata, n
     return values.repeat_interleave(counts.to(values.device), output_size=num_tokens)
 
 
+# vLLM 0.32 on CPU: expand_batch_to_tokens (a Triton kernel, `_expand`, with no CPU
+# backend) returns uninitialized memory, so apply_sampling_constraints divides the
+# target logits of draft positions by garbage temperatures; sampled (T > 0) requests
+# then get neither the target's distribution nor sensible acceptance. Measured in
+# README "Results"; tests/test_vllm_cpu_expand_bug.py fails once vLLM fixes it.
+VLLM_CPU_SAMPLED_VERIFY_WARNING = (
+    "vLLM's own rejection sampler verifies DFlash here; on CPU vLLM 0.32 scales the target logits of "
+    "draft positions by uninitialized temperatures (expand_batch_to_tokens), so sampled (T > 0) "
+    "requests do not follow the target's distribution. Greedy requests are unaffected. Unset "
+    "VLLM_DFLASH_VERIFIER=vllm (and VLLM_DFLASH_IMPL=vllm) to verify with vllm-dflash's sampler."
+)
+
+
 class DFlashRejectionSampler(RejectionSampler):
     def __init__(self, sampler, spec_config=None, device: torch.device | None = None):
         super().__init__(sampler, spec_config, device)
         self.use_dflash = use_dflash_verifier(spec_config)
         if self.use_dflash:
             logger.info("vllm-dflash verifier replaces vLLM's rejection sampler")
+        elif getattr(spec_config, "method", None) == "dflash" and (device is None or torch.device(device).type == "cpu"):
+            logger.warning(VLLM_CPU_SAMPLED_VERIFY_WARNING)
 
     def forward(
         self,

@@ -1,0 +1,75 @@
+"""vLLM 0.32's own rejection sampler is not lossless on CPU for sampled requests.
+
+`vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (the Triton kernel
+`_expand`, which has no CPU backend) returns uninitialized memory on CPU, and
+`apply_sampling_constraints` divides the target logits of every draft position
+by those values. Sampled (T > 0) requests verified by vLLM's sampler therefore
+follow neither the target's distribution nor sensible acceptance (README
+"Results": tau 1.00 and answers that never end, or end after ~3 tokens).
+vllm-dflash's verifier expands per-request values with `repeat_interleave`
+and serves by default; with `VLLM_DFLASH_VERIFIER=vllm` it logs
+`VLLM_CPU_SAMPLED_VERIFY_WARNING`.
+
+This test runs vLLM's verifier on the toy pair (in-tree path of the
+sampler, T=1) and records every expand call. It fails once vLLM expands
+correctly: then drop the warning and the README note.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # runner reachable in-process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def expand_calls():
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+    from serving_pairs import TOY_DRAFT, TOY_TARGET
+    from vllm import LLM, SamplingParams
+
+    calls = []
+    original = rs.expand_batch_to_tokens
+
+    def record(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        out = original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        expected = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        calls.append((out.clone(), expected.repeat_interleave(counts)))
+        return out
+
+    saved = os.environ.get("VLLM_DFLASH_VERIFIER")
+    os.environ["VLLM_DFLASH_VERIFIER"] = "vllm"
+    rs.expand_batch_to_tokens = record
+    try:
+        llm = LLM(TOY_TARGET, dtype="float32", max_model_len=512, gpu_memory_utilization=0.5, enforce_eager=True,
+                  seed=0, speculative_config={"method": "dflash", "model": TOY_DRAFT, "num_speculative_tokens": 3})
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        assert runner.rejection_sampler.use_dflash is False  # vLLM's verifier serves
+        llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1), use_tqdm=False)
+        del llm
+    finally:
+        rs.expand_batch_to_tokens = original
+        if saved is None:
+            os.environ.pop("VLLM_DFLASH_VERIFIER", None)
+        else:
+            os.environ["VLLM_DFLASH_VERIFIER"] = saved
+    return calls
+
+
+def test_vllm_cpu_expand_batch_to_tokens_returns_garbage(expand_calls):
+    import torch
+
+    calls = [(out, want) for out, want in expand_calls if want.numel() > 0]
+    assert calls, "vLLM's rejection sampler never expanded a per-request value: the test no longer reaches the bug"
+    wrong = [(out.tolist(), want.tolist()) for out, want in calls if not torch.equal(out, want.to(out.dtype))]
+    assert wrong, (
+        f"vLLM's CPU expand_batch_to_tokens is correct now ({len(calls)} calls): remove "
+        "VLLM_CPU_SAMPLED_VERIFY_WARNING (vllm_dflash/verifier/sampler.py) and the README note"
+    )
