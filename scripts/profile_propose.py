@@ -53,8 +53,6 @@ PIECES = ("inputs", "context", "attn_meta", "forward", "sample")
 # time). Missing names are skipped, so the table keeps working as code changes.
 PLUGIN_PIECES = {
     "inputs": [
-        "module:vllm_dflash.serving.proposer:select_context_rows",
-        "module:vllm_dflash.serving.proposer:build_query_block",
         "module:vllm_dflash.serving.proposer:ops.prepare_dflash_inputs",
     ],
     "context": ["module:vllm_dflash.serving.proposer:ops.gather_hidden_states", "model.store_context_kv"],

@@ -1,6 +1,5 @@
 """prepare_dflash_inputs: native CPU/CUDA kernels against the torch reference
-(equal element for element), hand-computed values, and the per-step helpers
-of vllm_dflash.serving.inputs (torch only) that it replaces on the hot path."""
+(`ops.prepare_dflash_inputs_ref`, equal element for element) and hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import pytest
 import torch
 
 from vllm_dflash import ops
-from vllm_dflash.serving.inputs import build_query_block, select_context_rows
 
 # Three requests in one target pass: a verification step with 3 drafts and 2
 # rejected (rows 0-3), a prefill chunk (rows 4-8), a verification with none
@@ -69,31 +67,6 @@ def test_without_num_rejected_every_row_is_context(device):
     assert native.context_rows.tolist() == list(range(15))
     assert native.context_slots.tolist() == SLOTS.tolist()
     assert native.positions.tolist()[::4] == [14, 5, 34]  # one past each request's last row
-
-
-def test_matches_serving_inputs_helpers():
-    """Same context rows/slots and query block as select_context_rows +
-    build_query_block, the torch helpers this op replaces in the proposer."""
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(20):
-        batch, q_len = 1 + trial % 6, 1 + trial % 5
-        k = q_len - 1
-        lens = torch.randint(1, 9, (batch,), generator=gen)
-        qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
-        rejected = (torch.rand(batch, generator=gen) * lens).long().to(torch.int32)  # < lens
-        num_rows = int(qsl[-1]) + trial % 3
-        positions = torch.randint(0, 200, (num_rows,), generator=gen)
-        slots = torch.randint(0, 1000, (num_rows,), generator=gen)
-        table = torch.randint(0, 50, (batch + 2, 60), generator=gen, dtype=torch.int32)
-        next_ids = torch.randint(0, 100, (batch,), generator=gen, dtype=torch.int32)
-        step = ops.prepare_dflash_inputs(qsl, rejected, positions, slots, next_ids, table[:batch], 16, 7, k, num_rows, True)
-        ctx = select_context_rows(qsl, rejected, slots, num_rows, exact=True)
-        block = build_query_block(next_ids, positions, qsl, rejected, table[:batch], 16, 7, k)
-        assert step.context_rows.tolist() == ctx.rows.tolist()
-        assert step.context_slots.tolist() == ctx.slots.tolist()
-        assert step.context_positions.tolist() == positions[ctx.rows].tolist()
-        for name in ("input_ids", "positions", "slots", "seq_lens", "query_start_loc"):
-            assert getattr(step, name).tolist() == getattr(block, name).tolist(), name
 
 
 @pytest.mark.parametrize("seed", range(6))
