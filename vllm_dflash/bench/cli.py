@@ -268,6 +268,15 @@ def _fmt(x, spec: str = ".2f") -> str:
     return format(x, spec)
 
 
+def _render(head: list[str], rows: list[list[str]], markdown: bool, rule: bool = False) -> str:
+    """A Markdown table, or right-aligned columns for the terminal (with a dashed rule under the head)."""
+    if markdown:
+        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    lines = [head, ["-" * w for w in widths]] + rows if rule else [head] + rows
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in lines)
+
+
 def table(cells: list[dict], category: str = "all", markdown: bool = False) -> str:
     """The terminal table (or a Markdown one) of one category's rows."""
     head = ["mode", "k", "conc", "out tok/s", "tot tok/s", "TPOT ms", "lat p50 s", "lat p99 s",
@@ -283,11 +292,7 @@ def table(cells: list[dict], category: str = "all", markdown: bool = False) -> s
                      _fmt(c["time_per_output_token_ms"]), _fmt(c["latency_p50_s"], ".3f"),
                      _fmt(c["latency_p99_s"], ".3f"), _fmt(acc.get("mean_length")), _fmt(c["speedup"]),
                      _fmt(c.get("speedup_p50")), draft, _fmt(c["outputs_match_none"])])
-    if markdown:
-        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return _render(head, rows, markdown, rule=True)
 
 
 def tau_table(cells: list[dict], markdown: bool = False) -> str:
@@ -302,10 +307,7 @@ def tau_table(cells: list[dict], markdown: bool = False) -> str:
            for c in spec if c["concurrency"] == low}
     head = ["mode", "k"] + cats
     rows = [[m, str(k)] + [_fmt(tau.get((m, k, cat))) for cat in cats] for m, k in runs]
-    if markdown:
-        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head] + rows)
+    return _render(head, rows, markdown)
 
 
 def split_table(cells: list[dict], markdown: bool = False) -> str:
@@ -321,20 +323,14 @@ def split_table(cells: list[dict], markdown: bool = False) -> str:
                      f"{c['output_tokens'] / c['steps']:.2f}"])
     if not rows:
         return ""
-    if markdown:
-        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head] + rows)
+    return _render(head, rows, markdown)
 
 
 def draft_cost_table(cost: dict, markdown: bool = False) -> str:
     head = ["draft layers", "B", "DFlash ms", "autoregressive ms", "AR / DFlash"]
     rows = [[str(r["layers"]), str(r["block_size"]), f"{r['dflash_ms']:.2f}", f"{r['autoregressive_ms']:.2f}",
              f"{r['ar_over_dflash']:.1f}x"] for r in cost["rows"]]
-    if markdown:
-        return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head)] + rows])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [head] + rows)
+    return _render(head, rows, markdown)
 
 
 def markdown_report(doc: dict) -> str:
