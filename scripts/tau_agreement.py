@@ -51,6 +51,7 @@ def vllm_tau(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm_dflash.bench.metrics import SpecCounters, acceptance
+    from vllm_dflash.bench.runner import model_runner_of
 
     prompts, stops = load_prompts(args)
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
@@ -71,8 +72,7 @@ def vllm_tau(args) -> dict:
     acc = acceptance(total)
     result["all"] = {"tau": acc["mean_length"], "rounds": acc["num_drafts"],
                      "tokens": sum(r["tokens"] for r in result.values()), "prompts": len(prompts)}
-    proposer = type(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-                    .model_runner.drafter)
+    proposer = type(model_runner_of(llm).drafter)
     result["_proposer"] = f"{proposer.__module__}.{proposer.__qualname__}"
     return result
 

@@ -22,6 +22,8 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 PER_POS_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# What the runner's StepTimer records per measurement (seconds, and the step count).
+TIMED_PARTS = ("step_s", "draft_s", "target_s", "verify_s", "steps")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -239,8 +241,7 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
                            "output_digests": [],
                            "concurrency": measurements[0].get("concurrency")}
     counters = None
-    parts = ("step_s", "draft_s", "target_s", "verify_s", "steps")
-    sums = dict.fromkeys(parts, 0.0)
+    sums = dict.fromkeys(TIMED_PARTS, 0.0)
     timed = all(m.get("step_s") is not None for m in measurements)
     for m in measurements:
         out["wall_s"] += m["wall_s"]
@@ -252,7 +253,7 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
             c = SpecCounters.from_dict(m["counters"])
             counters = c if counters is None else counters + c
         if timed:
-            for name in parts:
+            for name in TIMED_PARTS:
                 sums[name] += m.get(name) or 0.0
     out["counters"] = counters.to_dict() if counters is not None else None
     profiles = [m["proposer_profile"] for m in measurements if m.get("proposer_profile")]

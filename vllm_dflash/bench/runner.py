@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+from vllm_dflash.bench.metrics import TIMED_PARTS
 from vllm_dflash.serving.profile import PROFILE_ENV  # the proposer writes it; no vLLM import
 
 MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
@@ -70,9 +71,6 @@ def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[in
     n = math.ceil(len(prompts) / concurrency) * concurrency
     cycled = [prompts[i % len(prompts)] for i in range(n)]
     return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
-
-
-TIMED_PARTS = ("step_s", "draft_s", "target_s", "verify_s", "steps")
 
 
 class StepTimer:
