@@ -101,14 +101,66 @@ def test_cpu_layout_matches_vllm_on_this_machine(dtype, block_size, head_size):
         assert torch.equal(raw, vllm_bytes), write.__name__
 
 
-@pytest.mark.parametrize(
-    "isa, dtype",
+X86_ISA_CASES = (
     # vLLM selects the AMX packing for bfloat16 caches only.
     [(isa, dtype) for isa in ("vec", "vec16") for dtype in (torch.bfloat16, torch.float16, torch.float32)]
-    + [("amx", torch.bfloat16)],
+    + [("amx", torch.bfloat16)]
 )
+
+
+def _isa_missing_here(isa: str) -> str | None:
+    """Why vLLM's kernel for `isa` cannot run on this CPU (None: it can)."""
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        return "this CPU has no AMX (cpuinfo flag amx_tile): vLLM's AMX cache kernel cannot run here"
+    return None
+
+
+def _stated_layout_bytes(raw, cache, key, value, slots, isa):
+    """The cache bytes after writing key/value at slots, placed element by
+    element from the layout as written in ops.write_context_kv's docstring,
+    independent of the kernel, the torch reference and vLLM."""
+    expected = raw.clone()
+    num_blocks, num_heads, block_size, two_d = cache.shape
+    d = two_d // 2
+    out = cache.new_empty(0).set_(expected.untyped_storage(), cache.storage_offset(), cache.shape, cache.stride())
+    page = out.view(num_blocks, num_heads, 2 * block_size * d)  # [K part | V part] per (block, head)
+    n = block_size * d
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, o = divmod(slot, block_size)
+        for h in range(num_heads):
+            for j in range(d):
+                if isa == "amx":
+                    k_at = ((o // 16) * (d // 2) + j // 2) * 32 + (o % 16) * 2 + j % 2
+                    v_at = ((j // 16) * (block_size // 2) + o // 2) * 32 + (j % 16) * 2 + o % 2
+                else:  # vec / vec16: K transposed [d, N], V [N, d]
+                    k_at, v_at = j * block_size + o, o * d + j
+                page[b, h, k_at] = key[row, h, j]
+                page[b, h, n + v_at] = value[row, h, j]
+    return expected
+
+
+@pytest.mark.parametrize("isa, dtype", X86_ISA_CASES)
+def test_each_x86_isa_packing_matches_the_stated_layout(isa, dtype):
+    """Every x86 packing against the layout spelled out element by element:
+    runs on every CPU kind, whatever vLLM can run here."""
+    raw, cache, key, value, slots = _cpu_case(dtype, 64, 128, seed=7)
+    start = raw.clone()
+    expected = _stated_layout_bytes(raw, cache, key, value, slots, isa)
+    assert not torch.equal(expected, start)
+    for write in (ops.write_context_kv, ops.write_context_kv_ref):
+        raw[:] = start
+        write(key, value, cache, slots, ISA_TO_LAYOUT[isa])
+        assert torch.equal(raw, expected), write.__name__
+
+
+@pytest.mark.parametrize("isa, dtype", X86_ISA_CASES)
 def test_each_x86_isa_packing_matches_vllm(isa, dtype):
-    """Every x86 packing, whatever this machine would pick."""
+    """Every x86 packing vLLM's kernels can run on this CPU, against vLLM's own bytes."""
+    missing = _isa_missing_here(isa)
+    if missing:
+        pytest.skip(missing)
     raw, cache, key, value, slots = _cpu_case(dtype, 64, 128, seed=7)
     start = raw.clone()
     _vllm_cpu_write(key, value, cache, slots, isa)

@@ -1,0 +1,22 @@
+"""The machine record that CI logs and benchmark JSON carry."""
+
+from vllm_dflash import machine
+
+
+def test_machine_info_reads_this_cpu():
+    info = machine.machine_info()
+    assert info["cpu_model"]
+    assert info["cores"] >= 1
+    assert set(info["isa"]) == set(machine.ISA_FLAGS.values())
+    assert info["torch"] and info["vllm"] == "0.32.0"
+    flags = set(open("/proc/cpuinfo").read().split())
+    assert info["isa"]["AVX2"] == ("avx2" in flags)
+    assert info["isa"]["AMX"] == ("amx_tile" in flags)
+
+
+def test_describe_names_model_isa_and_versions():
+    info = {"cpu_model": "Test CPU", "arch": "x86_64", "cores": 2, "torch": "2.13.0+cpu", "vllm": "0.32.0",
+            "isa": {name: name == "AVX2" for name in machine.ISA_FLAGS.values()}, "gpu": None}
+    assert machine.describe(info) == "Test CPU (x86_64, 2 cores; ISA: AVX2); torch 2.13.0+cpu, vLLM 0.32.0"
+    info["isa"] = {name: False for name in machine.ISA_FLAGS.values()}
+    assert "ISA: none of AVX2/AVX-512/AVX512_BF16/AMX/AMX_BF16" in machine.describe(info)
