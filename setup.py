@@ -28,6 +28,20 @@ ROOT = Path(__file__).parent.resolve()
 EXT_NAME = "vllm_dflash._C"
 
 
+def _load_envs():
+    """vllm_dflash/envs.py (the reader of every VLLM_DFLASH_* variable), loaded
+    by path: the package itself cannot be imported before it is built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vllm_dflash_envs", ROOT / "vllm_dflash" / "envs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _load_envs()
+
+
 def _tool(name: str) -> str | None:
     """A tool from this interpreter's environment first (pip's cmake/ninja)."""
     local = Path(sys.executable).parent / name
@@ -35,7 +49,7 @@ def _tool(name: str) -> str | None:
 
 
 def _want_cuda(torch) -> bool:
-    return torch.version.cuda is not None and os.environ.get("VLLM_DFLASH_CUDA", "1") != "0"
+    return torch.version.cuda is not None and envs.VLLM_DFLASH_CUDA
 
 
 def _cuda_arch_list(torch) -> str:
@@ -115,11 +129,9 @@ class CMakeBuild(build_ext):
 
 
 def _extension_and_command():
-    backend = os.environ.get("VLLM_DFLASH_BUILD_BACKEND") or ("cmake" if _tool("cmake") else "torch")
+    backend = envs.VLLM_DFLASH_BUILD_BACKEND or ("cmake" if _tool("cmake") else "torch")
     if backend == "cmake":
         return Extension(EXT_NAME, sources=[]), CMakeBuild
-    if backend != "torch":
-        raise ValueError(f"VLLM_DFLASH_BUILD_BACKEND={backend!r}: use 'cmake' or 'torch'")
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 

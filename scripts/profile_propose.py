@@ -261,6 +261,8 @@ def worker(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_dflash.patches import model_runner_of
+
     torch.manual_seed(0)
     llm = LLM(
         model=args.target_dir,
@@ -274,7 +276,7 @@ def worker(args) -> dict:
         gpu_memory_utilization=0.5,
         speculative_config={"method": "dflash", "model": args.draft_dir, "num_speculative_tokens": args.k},
     )
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     drafter = runner.drafter
     drafter_name = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
     timer = PieceTimer(time.perf_counter)

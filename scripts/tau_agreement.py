@@ -51,7 +51,7 @@ def vllm_tau(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm_dflash.bench.metrics import SpecCounters, acceptance
-    from vllm_dflash.bench.runner import model_runner_of
+    from vllm_dflash.patches import model_runner_of
 
     prompts, stops = load_prompts(args)
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,

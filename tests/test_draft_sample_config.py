@@ -1,6 +1,6 @@
 """speculative_config["draft_sample"]: "argmax" | "sample" for vllm-dflash's DFlash.
 
-vLLM's SpeculativeConfig forbids unknown keys; patch 4 (vllm_dflash.patches)
+vLLM's SpeculativeConfig forbids unknown keys; the create_speculative_config patch (vllm_dflash.patches)
 turns ours into vLLM's draft_sample_method before SpeculativeConfig is built.
 Checked on the config path `LLM(...)` and `vllm serve` share
 (EngineArgs.create_engine_config, and the CLI parser for --speculative-config);

@@ -42,6 +42,8 @@ def _serve_in_tree(
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
+    from vllm_dflash.patches import model_runner_of
+
     llm = LLM(
         model=target_dir,
         speculative_config={
@@ -57,7 +59,7 @@ def _serve_in_tree(
         max_num_seqs=8,
         seed=0,
     )
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     drafter = runner.drafter
     steps: list[list[int]] = []
     propose = drafter.propose

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dflash import envs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "nvcc_check.sh"
 
@@ -21,7 +23,7 @@ SCRIPT = ROOT / "scripts" / "nvcc_check.sh"
 def nvcc() -> str:
     path = shutil.which(os.environ.get("NVCC", "nvcc"))
     if path is None:
-        if os.environ.get("VLLM_DFLASH_SKIP_NVCC") == "1":
+        if envs.VLLM_DFLASH_SKIP_NVCC:
             pytest.skip("nvcc not found and VLLM_DFLASH_SKIP_NVCC=1")
         pytest.fail("nvcc not found: install the CUDA toolkit (or set VLLM_DFLASH_SKIP_NVCC=1 to skip)")
     return path

@@ -127,6 +127,8 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
+    from vllm_dflash.patches import model_runner_of
+
     kwargs = dict(
         model=target_dir,
         skip_tokenizer_init=True,
@@ -148,7 +150,7 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
     llm = LLM(**kwargs)
     result = {}
     try:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        runner = model_runner_of(llm)
         probe = DraftProbsProbe(runner) if mode is not None else None
         before = spec_metrics_from_llm(llm) if mode is not None else None
 

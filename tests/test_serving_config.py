@@ -139,9 +139,9 @@ def plugin():
     import vllm_dflash
 
     vllm_dflash.register()  # no-op when vLLM already loaded the entry point
-    from vllm_dflash import patches
+    from vllm_dflash import envs
 
-    if not patches.use_plugin_impl():
+    if not envs.use_plugin_impl():
         pytest.skip("VLLM_DFLASH_IMPL=vllm in this environment")
 
 

@@ -36,6 +36,8 @@ import sys
 
 import pytest
 
+from vllm_dflash import envs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
@@ -162,10 +164,12 @@ def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8",
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    from vllm_dflash.patches import model_runner_of
+
     prompts, max_tokens, long_prompt = workload()
     llm = LLM(**engine_kwargs(target_dir, draft_dir, k))
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
+    core = llm.llm_engine.engine_core.engine_core  # the scheduler, for preemptions
+    runner = model_runner_of(llm)
     preemptions = []
     original_preempt = core.scheduler._preempt_request
 
@@ -377,7 +381,7 @@ def test_draft_tokens_equal_in_tree_dflash(baseline, plugin, in_tree):
 
 if __name__ == "__main__":  # oracle mode: python test_serving_e2e.py TARGET DRAFT K OUT.json
     target_dir, draft_dir, k, out_path = sys.argv[1:5]
-    assert os.environ.get("VLLM_DFLASH_IMPL") == "vllm"
+    assert envs.VLLM_DFLASH_IMPL == "vllm"
     set_engine_env()
     res = run_engine(target_dir, draft_dir, int(k), phases=("batch8",))
     with open(out_path, "w") as f:

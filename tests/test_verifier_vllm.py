@@ -84,13 +84,14 @@ def run_engine(target_dir, draft_dir, prompts, k, draft_sample_method):
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
+    from vllm_dflash.patches import model_runner_of
     from vllm_dflash.verifier.sampler import DFlashRejectionSampler
 
     llm = LLM(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
               max_num_seqs=8, enforce_eager=True, gpu_memory_utilization=0.5,
               speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
                                   "draft_sample_method": draft_sample_method})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner_of(llm)
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def generate(params):

@@ -34,6 +34,8 @@ def expand_calls():
     from serving_pairs import TOY_DRAFT, TOY_TARGET
     from vllm import LLM, SamplingParams
 
+    from vllm_dflash.patches import model_runner_of
+
     calls = []
     original = rs.expand_batch_to_tokens
 
@@ -44,22 +46,18 @@ def expand_calls():
         calls.append((out.clone(), expected.repeat_interleave(counts)))
         return out
 
-    saved = os.environ.get("VLLM_DFLASH_VERIFIER")
-    os.environ["VLLM_DFLASH_VERIFIER"] = "vllm"
     rs.expand_batch_to_tokens = record
-    try:
-        llm = LLM(TOY_TARGET, dtype="float32", max_model_len=512, gpu_memory_utilization=0.5, enforce_eager=True,
-                  seed=0, speculative_config={"method": "dflash", "model": TOY_DRAFT, "num_speculative_tokens": 3})
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        assert runner.rejection_sampler.use_dflash is False  # vLLM's verifier serves
-        llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1), use_tqdm=False)
-        del llm
-    finally:
-        rs.expand_batch_to_tokens = original
-        if saved is None:
-            os.environ.pop("VLLM_DFLASH_VERIFIER", None)
-        else:
-            os.environ["VLLM_DFLASH_VERIFIER"] = saved
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_DFLASH_VERIFIER", "vllm")
+        try:
+            llm = LLM(TOY_TARGET, dtype="float32", max_model_len=512, gpu_memory_utilization=0.5, enforce_eager=True,
+                      seed=0, speculative_config={"method": "dflash", "model": TOY_DRAFT, "num_speculative_tokens": 3})
+            runner = model_runner_of(llm)
+            assert runner.rejection_sampler.use_dflash is False  # vLLM's verifier serves
+            llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1), use_tqdm=False)
+            del llm
+        finally:
+            rs.expand_batch_to_tokens = original
     return calls
 
 

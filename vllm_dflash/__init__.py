@@ -22,11 +22,11 @@ def register() -> None:
     global _REGISTERED_PID
     if _REGISTERED_PID == os.getpid():
         return
-    from vllm_dflash import patches
+    from vllm_dflash import envs, patches
 
     patches.apply_all()
     _REGISTERED_PID = os.getpid()
-    marker = os.environ.get("VLLM_DFLASH_REGISTER_MARKER_DIR")
+    marker = envs.VLLM_DFLASH_REGISTER_MARKER_DIR
     if marker:
         # Lets tests prove register() ran inside engine and worker processes.
         with open(os.path.join(marker, f"registered.{os.getpid()}"), "w") as f:

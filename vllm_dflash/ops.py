@@ -21,11 +21,12 @@ bit-identical results (context_kv_write: within rounding, see its docstring). Th
 from __future__ import annotations
 
 import logging
-import os
 import platform
 from typing import NamedTuple
 
 import torch
+
+from vllm_dflash import envs
 
 logger = logging.getLogger("vllm_dflash")
 
@@ -41,7 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without a build
         e,
     )
 
-USE_NATIVE = HAS_NATIVE and os.environ.get("VLLM_DFLASH_NATIVE_OPS", "1") != "0"
+USE_NATIVE = HAS_NATIVE and envs.VLLM_DFLASH_NATIVE_OPS
 
 KV_LAYOUTS = ("cpu", "flash", "cpu_vec", "cpu_amx")
 

@@ -7,12 +7,12 @@ instead, for working on the kernel without rebuilding the package.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from vllm_dflash import envs
 from vllm_dflash.verifier import rejection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def _jit_build() -> None:
 @pytest.fixture(scope="session")
 def native_cpu() -> None:
     """Fails (not skips) when the CPU kernel is missing: it is a core path."""
-    if not rejection.native_available("cpu") and os.environ.get("VLLM_DFLASH_JIT_VERIFIER") == "1":
+    if not rejection.native_available("cpu") and envs.VLLM_DFLASH_JIT_VERIFIER:
         _jit_build()
     if not rejection.native_available("cpu"):
         pytest.fail("torch.ops.vllm_dflash.rejection_sample has no CPU kernel: build the extension with "

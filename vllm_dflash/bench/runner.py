@@ -28,7 +28,9 @@ import sys
 import time
 from typing import Any
 
+from vllm_dflash import envs
 from vllm_dflash.bench.metrics import TIMED_PARTS
+from vllm_dflash.patches.model_runner import model_runner_of
 from vllm_dflash.serving.profile import PROFILE_ENV  # the proposer writes it; no vLLM import
 
 MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
@@ -135,15 +137,6 @@ class StepTimer:
             torch.cuda.synchronize()
 
 
-def model_runner_of(llm: Any) -> Any | None:
-    """The in-process model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        return core.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
-        return None
-
-
 def read_profile(path: str | None) -> dict | None:
     """The proposer's own profile (see bench docs): {"phases": {name: {"calls", "seconds"}}}."""
     if not path or not os.path.isfile(path):
@@ -200,7 +193,7 @@ def run(spec: dict) -> dict:
         import torch
 
         timer = StepTimer(model_runner, sync=torch.cuda.is_available())
-    profile_file = os.environ.get(PROFILE_ENV)
+    profile_file = envs.VLLM_DFLASH_PROFILE_FILE
 
     request_index = itertools.count()
 

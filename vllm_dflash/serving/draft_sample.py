@@ -9,7 +9,7 @@ verifier) or "probabilistic" (each request's drafts are drawn from the draft's
 softmax at that request's temperature, and the proposer hands those q,
 [B, k, V] float32, to the rejection sampler through `take_last_draft_probs()`).
 So `draft_sample` is translated into vLLM's field before `SpeculativeConfig`
-sees the dict (`vllm_dflash.patches`, patch 4); vLLM's own key still works,
+sees the dict (the `create_speculative_config` patch in `vllm_dflash.patches`); vLLM's own key still works,
 and the two must agree when both are given.
 
 Greedy requests draft the argmax in both modes. At T > 0 a sampled draft is

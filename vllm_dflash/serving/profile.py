@@ -15,6 +15,8 @@ import os
 import time
 from typing import Any
 
+from vllm_dflash import envs
+
 PROFILE_ENV = "VLLM_DFLASH_PROFILE_FILE"
 
 
@@ -46,7 +48,7 @@ class PhaseProfile:
 
 def install(proposer: Any) -> PhaseProfile | None:
     """Wrap the proposer's phases when PROFILE_ENV is set (after load_model)."""
-    path = os.environ.get(PROFILE_ENV)
+    path = envs.VLLM_DFLASH_PROFILE_FILE
     if not path:
         return None
     prof = PhaseProfile(path)

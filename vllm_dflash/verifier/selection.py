@@ -10,10 +10,7 @@ Other methods, and rejection_sample_method "synthetic" / "block", keep vLLM's.
 
 from __future__ import annotations
 
-import os
-
-VERIFIER_ENV = "VLLM_DFLASH_VERIFIER"
-VERIFIER_CHOICES = ("dflash", "vllm")
+from vllm_dflash import envs
 
 
 def use_dflash_verifier(spec_config) -> bool:
@@ -21,11 +18,7 @@ def use_dflash_verifier(spec_config) -> bool:
         return False
     if getattr(spec_config, "rejection_sample_method", "standard") != "standard":
         return False
-    choice = os.environ.get(VERIFIER_ENV, "").strip().lower()
-    if choice and choice not in VERIFIER_CHOICES:
-        raise ValueError(f"{VERIFIER_ENV}={choice!r} is not valid; use one of {VERIFIER_CHOICES} or unset it")
+    choice = envs.VLLM_DFLASH_VERIFIER
     if choice:
         return choice == "dflash"
-    from vllm_dflash.patches import use_plugin_impl
-
-    return use_plugin_impl()
+    return envs.use_plugin_impl()

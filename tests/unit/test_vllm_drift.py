@@ -1,0 +1,215 @@
+"""Every vLLM internal in the register (vllm_dflash.patches) is still where,
+and shaped how, the plugin expects; register() installs the patches once.
+No engine is started.
+
+Per entry: the symbol resolves; an override, a patched name or a wrapped
+method takes exactly the recorded parameters (and our override takes vLLM's);
+a called function still accepts the arguments we pass; vLLM's code still
+calls an override or patched name (`used_by` / `usage`), so an override cannot
+silently stop being called; a mirrored rule's source still states it; read
+attributes are still set by vLLM.
+
+`._private` accesses on vLLM objects found by grep and left out of the
+register on purpose: none in vllm_dflash/ (each one is an entry: the
+proposer's _create_draft_vllm_config, _maybe_share_*, _sample_draft_tokens,
+_enable_probabilistic_draft_probs, _last_draft_probs, _draft_attn_layer_names;
+the sampler's _get_logprobs_tensors; the runner's _model_forward; the patched
+_validate_spec_decode and _get_v2_model_runner_unsupported_features; the
+mirrored _get_attn_isa). `torch.cpu._is_amx_tile_supported` is torch's, and
+`config._attn_implementation` (zoo) is transformers'. Tests reach the same
+internals through `model_runner_of` and these entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import subprocess
+import sys
+
+import pytest
+
+import vllm_dflash
+from vllm_dflash import envs, patches
+from vllm_dflash.patches.internal import MARK, VLLM_VERSION, resolve
+
+EXACT_PARAMS = ("patch", "override", "wrap")
+
+
+def _params(obj) -> tuple[str, ...]:
+    if isinstance(obj, type):
+        obj = obj.__init__
+    return tuple(inspect.signature(inspect.unwrap(obj)).parameters)
+
+
+def _sets_attribute(cls: type, name: str) -> bool:
+    if hasattr(cls, name):
+        return True
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    pattern = re.compile(rf"self\.{re.escape(name)}\b\s*(:[^=\n]*)?=[^=]|register_buffer\(\s*[\"']{re.escape(name)}[\"']")
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("vllm.") and pattern.search(inspect.getsource(klass)):
+            return True
+    return False
+
+
+def test_vllm_version_is_the_one_the_register_describes():
+    import vllm
+
+    assert vllm.__version__.startswith(VLLM_VERSION), (
+        f"the register was written against vLLM {VLLM_VERSION}, found {vllm.__version__}: "
+        "re-check every entry of vllm_dflash.patches.REGISTER"
+    )
+
+
+def check_entry(entry) -> None:
+    """AssertionError (or ImportError / AttributeError) when vLLM drifted from the entry."""
+    assert entry.why and entry.how and entry.remove_when and entry.vllm_version == VLLM_VERSION
+    if entry.kind == "read":
+        owner = resolve(entry.symbol)
+        assert entry.names and isinstance(owner, type)
+        missing = [n for n in entry.names if not _sets_attribute(owner, n)]
+        assert not missing, f"{entry.symbol} no longer has {missing}"
+    obj = resolve(entry.original or entry.symbol)  # ImportError / AttributeError: it moved
+    if entry.params is not None:
+        params = _params(obj)
+        if entry.kind in EXACT_PARAMS:
+            assert params == entry.params, f"{entry.symbol} changed shape: {params}"
+        else:
+            missing = [p for p in entry.params if p not in params]
+            assert not missing, f"{entry.symbol} no longer takes {missing}: {params}"
+    if entry.returns is not None:
+        assert obj() == entry.returns
+    if entry.used_by is not None:
+        source = inspect.getsource(resolve(entry.used_by))
+        for usage in entry.usage or (f"{entry.qualname.rsplit('.', 1)[-1]}(",):
+            assert usage in source, f"{entry.used_by} no longer does {usage!r}"
+    if entry.source_has:
+        source = inspect.getsource(obj)
+        for text in entry.source_has:
+            assert text in source, f"{entry.symbol} no longer says {text!r}"
+    if entry.ours is not None:
+        ours = resolve(entry.ours)
+        if entry.kind == "override" or entry.original is not None:
+            assert _params(ours) == entry.params, f"{entry.ours} takes {_params(ours)}, vLLM's {entry.params}"
+            if entry.kind == "override":
+                owner = resolve(entry.ours.rsplit(".", 1)[0])
+                assert entry.qualname.rsplit(".", 1)[-1] in vars(owner), f"{entry.ours} no longer overrides it"
+
+
+@pytest.mark.parametrize("entry", patches.REGISTER, ids=lambda e: f"{e.kind}:{e.symbol}")
+def test_register_entry_matches_vllm(entry):
+    check_entry(entry)
+
+
+def _entry(symbol: str):
+    return next(e for e in patches.REGISTER if e.symbol == symbol)
+
+
+BASE = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+
+
+@pytest.mark.parametrize("change, message", [
+    # vLLM renamed the hook: our override would never be called again.
+    (dict(symbol=f"{BASE}._maybe_share_embedding"), "_maybe_share_embedding"),
+    # vLLM stopped calling it from load_model.
+    (dict(usage=("self._maybe_share_embeddings(target_model)",)), "no longer does"),
+    # vLLM added a parameter.
+    (dict(params=("self", "target_language_model", "prefix")), "changed shape"),
+    # our override no longer overrides (a typo in our class).
+    (dict(ours="vllm_dflash.serving.proposer:DFlashProposer.load_model"), "takes"),
+])
+def test_check_catches_drift(change, message):
+    entry = dataclasses.replace(_entry(f"{BASE}._maybe_share_embeddings"), **change)
+    with pytest.raises((AssertionError, AttributeError), match=message):
+        check_entry(entry)
+
+
+def test_check_catches_a_changed_mirror_and_a_lost_attribute():
+    mirror = _entry("vllm.v1.attention.backends.cpu_attn:_get_attn_isa")
+    with pytest.raises(AssertionError, match="no longer says"):
+        check_entry(dataclasses.replace(mirror, source_has=('return "amx512"',)))
+    read = _entry(BASE)
+    with pytest.raises(AssertionError, match="no longer has"):
+        check_entry(dataclasses.replace(read, names=("_draft_attn_layer_name",)))
+
+
+def test_register_entries_are_unique_and_complete():
+    keys = [(e.symbol, e.kind) for e in patches.REGISTER]
+    assert len(keys) == len(set(keys))
+    assert {e.kind for e in patches.REGISTER} == set(patches.KINDS)
+    assert all(e.install is not None for e in patches.PATCHES)
+
+
+def test_runner_subclass_is_covered_by_the_runner_patches():
+    import vllm.v1.worker.gpu_model_runner as runner_module
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    assert issubclass(CPUModelRunner, runner_module.GPUModelRunner)  # one patch covers both
+
+
+def test_register_is_idempotent_and_installs_the_plugin():
+    import vllm.v1.worker.gpu_model_runner as runner_module
+    from vllm import ModelRegistry
+    from vllm.config.vllm import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
+    from vllm_dflash.serving.proposer import DFlashProposer
+
+    if not envs.use_plugin_impl():
+        pytest.skip("VLLM_DFLASH_IMPL=vllm in this environment")
+    vllm_dflash.register()
+    first = patches.applied()
+    wrapped = (EngineArgs.create_speculative_config, VllmConfig._get_v2_model_runner_unsupported_features,
+               runner_module.build_logitsprocs)
+    vllm_dflash.register()
+    patches.apply_all()  # even a direct second call changes nothing
+    assert patches.applied() == first == patches.PATCHES
+    assert (EngineArgs.create_speculative_config, VllmConfig._get_v2_model_runner_unsupported_features,
+            runner_module.build_logitsprocs) == wrapped
+    for fn in wrapped:  # wrapped exactly once
+        assert getattr(fn, MARK)
+        assert not getattr(fn.__wrapped__, MARK, False)
+    assert runner_module.DFlashProposer is DFlashProposer
+    assert ModelRegistry._try_load_model_cls("DFlashDraftModel") is DFlashDraftForCausalLM
+
+
+def test_model_runner_of_needs_an_in_process_engine():
+    assert patches.model_runner_of(object()) is None
+
+
+def test_register_prints_as_a_table():
+    proc = subprocess.run([sys.executable, "-m", "vllm_dflash.patches"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(patches.REGISTER)
+
+
+def _run_register(impl: str) -> subprocess.CompletedProcess:
+    code = (
+        "import vllm_dflash, vllm.v1.worker.gpu_model_runner as r\n"
+        "from vllm_dflash import patches\n"
+        "vllm_dflash.register()\n"
+        "print(r.DFlashProposer.__module__, len(patches.applied()))\n"
+    )
+    import os
+
+    env = dict(os.environ, VLLM_DFLASH_IMPL=impl)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_impl_vllm_keeps_the_in_tree_dflash():
+    proc = _run_register("vllm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module, num_applied = proc.stdout.split()[-2:]
+    assert module == "vllm.v1.spec_decode.dflash"
+    assert int(num_applied) == sum(not p.plugin_only for p in patches.PATCHES)
+
+
+def test_bad_impl_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("VLLM_DFLASH_IMPL", "fast")
+    with pytest.raises(ValueError, match="VLLM_DFLASH_IMPL='fast' is not valid; use 'plugin'"):
+        envs.use_plugin_impl()

@@ -1,0 +1,118 @@
+"""Every VLLM_DFLASH_* environment variable, read here and nowhere else.
+
+`envs.NAME` reads the variable when it is accessed (nothing is cached), so a
+test's monkeypatch.setenv or a bench mode's environment takes effect at once,
+and a bad value fails with a ValueError naming the variable and the fix.
+This module imports nothing but the standard library: the plugin entry
+point, the engine process, the worker, setup.py (build-time switches, loaded
+by path) and the tests all read it. To add a variable: one entry in
+`environment_variables` (reader + the line that documents it) and one line in
+the TYPE_CHECKING block.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    VLLM_DFLASH_IMPL: str
+    VLLM_DFLASH_VERIFIER: str | None
+    VLLM_DFLASH_NATIVE_OPS: bool
+    VLLM_DFLASH_PROFILE_FILE: str | None
+    VLLM_DFLASH_REGISTER_MARKER_DIR: str | None
+    VLLM_DFLASH_CUDA: bool
+    VLLM_DFLASH_BUILD_BACKEND: str | None
+    VLLM_DFLASH_JIT_VERIFIER: bool
+    VLLM_DFLASH_SKIP_NVCC: bool
+
+IMPL_CHOICES = ("plugin", "vllm")
+VERIFIER_CHOICES = ("dflash", "vllm")
+BUILD_BACKENDS = ("cmake", "torch")
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _impl() -> str:
+    impl = _raw("VLLM_DFLASH_IMPL").lower() or "plugin"
+    if impl not in IMPL_CHOICES:
+        raise ValueError(f"VLLM_DFLASH_IMPL={impl!r} is not valid; use 'plugin' (default) or 'vllm'")
+    return impl
+
+
+def _verifier() -> str | None:
+    choice = _raw("VLLM_DFLASH_VERIFIER").lower()
+    if choice and choice not in VERIFIER_CHOICES:
+        raise ValueError(f"VLLM_DFLASH_VERIFIER={choice!r} is not valid; use one of {VERIFIER_CHOICES} or unset it")
+    return choice or None
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        value = _raw(name)
+        if value == "":
+            return default
+        if value not in ("0", "1"):
+            raise ValueError(f"{name}={value!r} is not valid; use 1 or 0 (default {int(default)})")
+        return value == "1"
+
+    return read
+
+
+def _path(name: str) -> Callable[[], str | None]:
+    return lambda: _raw(name) or None
+
+
+def _build_backend() -> str | None:
+    backend = _raw("VLLM_DFLASH_BUILD_BACKEND") or None
+    if backend is not None and backend not in BUILD_BACKENDS:
+        raise ValueError(f"VLLM_DFLASH_BUILD_BACKEND={backend!r}: use 'cmake' or 'torch'")
+    return backend
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Serving.
+    # Which DFlash serves method="dflash": "plugin" (default), or "vllm" for vLLM's
+    # in-tree DFlash (comparisons); read in the engine process and every worker.
+    "VLLM_DFLASH_IMPL": _impl,
+    # Which rejection sampler verifies DFlash: "dflash" (ours) or "vllm"; unset,
+    # ours serves whenever the plugin's DFlash does.
+    "VLLM_DFLASH_VERIFIER": _verifier,
+    # 0 replaces every native op (vllm_dflash.ops) by its pure-torch reference
+    # (debugging); read at each op call.
+    "VLLM_DFLASH_NATIVE_OPS": _flag("VLLM_DFLASH_NATIVE_OPS", True),
+    # A JSON file the proposer rewrites with its phase timings after every step
+    # (`vllm-dflash bench --profile`); unset, nothing is timed.
+    "VLLM_DFLASH_PROFILE_FILE": _path("VLLM_DFLASH_PROFILE_FILE"),
+    # Tests: register() leaves a file here per process it runs in.
+    "VLLM_DFLASH_REGISTER_MARKER_DIR": _path("VLLM_DFLASH_REGISTER_MARKER_DIR"),
+    # Build (setup.py).
+    # 0 builds the CPU kernels only, even with a CUDA build of torch.
+    "VLLM_DFLASH_CUDA": _flag("VLLM_DFLASH_CUDA", True),
+    # "cmake" (default when cmake is installed) or "torch" (torch.utils.cpp_extension).
+    "VLLM_DFLASH_BUILD_BACKEND": _build_backend,
+    # Tests.
+    # 1 compiles csrc/cpu/rejection_sample.cpp on the fly for the verifier tests
+    # when the installed extension lacks the op (kernel work without rebuilding).
+    "VLLM_DFLASH_JIT_VERIFIER": _flag("VLLM_DFLASH_JIT_VERIFIER", False),
+    # 1 skips the nvcc compile check on machines without the CUDA toolkit.
+    "VLLM_DFLASH_SKIP_NVCC": _flag("VLLM_DFLASH_SKIP_NVCC", False),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
+
+
+def use_plugin_impl() -> bool:
+    """False when VLLM_DFLASH_IMPL=vllm asks for vLLM's in-tree DFlash."""
+    return _impl() == "plugin"

@@ -1,0 +1,96 @@
+"""Reaching the model runner of an in-process engine, and what is wrapped on it.
+
+Tests, the benchmark and the profiling script run the engine in their own
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0) to look at the runner, its drafter
+and its sampler; `model_runner_of` is the one place that walks vLLM's object
+chain to it. The step timer (vllm_dflash.profiler) wraps runner methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dflash.patches.internal import VllmInternal
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+CHAIN = "LLM.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner"
+UNTIL = "vLLM offers a public handle on the in-process model runner"
+
+
+def model_runner_of(llm: Any) -> Any | None:
+    """The model runner of an `LLM` whose engine runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        return core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
+def _hop(symbol: str, name: str) -> VllmInternal:
+    return VllmInternal(
+        symbol=symbol,
+        kind="read",
+        process=("bench",),
+        why=f"one hop of {CHAIN} (model_runner_of)",
+        how=f"getattr(.., {name!r})",
+        remove_when=UNTIL,
+        names=(name,),
+    )
+
+
+ENTRIES: list[VllmInternal] = [
+    _hop("vllm.v1.engine.llm_engine:LLMEngine", "engine_core"),
+    _hop("vllm.v1.engine.core_client:InprocClient", "engine_core"),
+    _hop("vllm.v1.engine.core:EngineCore", "model_executor"),
+    _hop("vllm.v1.executor.uniproc_executor:UniProcExecutor", "driver_worker"),
+    _hop("vllm.v1.worker.worker_base:WorkerWrapperBase", "worker"),
+    _hop("vllm.v1.worker.gpu_worker:Worker", "model_runner"),
+    VllmInternal(
+        symbol=RUNNER,
+        kind="read",
+        process=("bench",),
+        why="tests and the bench look at the drafter and the samplers the runner built",
+        how="runner.drafter, runner.sampler, runner.rejection_sampler",
+        remove_when=UNTIL,
+        names=("drafter", "sampler", "rejection_sampler"),
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}.execute_model",
+        kind="wrap",
+        process=("bench",),
+        why="the step timer counts engine steps and times them (with sample_tokens)",
+        how="instance attribute replaced by a timing wrapper",
+        remove_when="vLLM reports the per-step split (target / draft / verify) itself",
+        params=("self", "scheduler_output", "intermediate_tensors"),
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}.sample_tokens",
+        kind="wrap",
+        process=("bench",),
+        why="the second half of an engine step (sampling, verification, drafting)",
+        how="instance attribute replaced by a timing wrapper",
+        remove_when="vLLM reports the per-step split itself",
+        params=("self", "grammar_output"),
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}._model_forward",
+        kind="wrap",
+        process=("bench",),
+        why="the target forward of a step",
+        how="instance attribute replaced by a timing wrapper",
+        remove_when="vLLM reports the per-step split itself",
+        params=("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}.propose_draft_token_ids",
+        kind="wrap",
+        process=("bench",),
+        why="the drafting part of a step, whatever the proposer",
+        how="instance attribute replaced by a timing wrapper",
+        remove_when="vLLM reports the per-step split itself",
+        params=("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
+                "slot_mappings"),
+    ),
+]

@@ -1,0 +1,425 @@
+"""vLLM internals of the serving path: the draft model, the proposer and the
+speculative config (patches and everything the proposer and draft model
+override, call, read or mirror)."""
+
+from __future__ import annotations
+
+from vllm_dflash import envs
+from vllm_dflash.patches.internal import VllmInternal, wrap_once
+
+BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+NEVER = "never: it is what makes the plugin's DFlash serve (vLLM's in-tree DFlash is the rival)"
+
+
+def _register_draft_model() -> None:
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("DFlashDraftModel", "vllm_dflash.serving.draft_model:DFlashDraftForCausalLM")
+
+
+def _install_proposer() -> None:
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
+    from vllm_dflash.serving.proposer import DFlashProposer
+
+    runner_module.DFlashProposer = DFlashProposer
+
+
+def _keep_v1_runner_for_dflash() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    def make(original):
+        def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+            unsupported = original(self)
+            spec = self.speculative_config
+            if spec is not None and spec.method == "dflash":
+                unsupported.append("vllm-dflash's DFlash proposer (it hooks the V1 runner)")
+            return unsupported
+
+        return _get_v2_model_runner_unsupported_features
+
+    wrap_once(VllmConfig, "_get_v2_model_runner_unsupported_features", make)
+
+
+def _complete_dflash_speculative_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original):
+        def create_speculative_config(self, target_model_config, target_parallel_config):
+            cfg = None
+            spec = {k.replace("-", "_"): v for k, v in (self.speculative_config or {}).items()}
+            # vLLM merges these CLI flags into the dict itself; look at them too.
+            for key, flag in (
+                ("method", self.spec_method),
+                ("model", self.spec_model),
+                ("num_speculative_tokens", self.spec_tokens),
+            ):
+                if flag is not None:
+                    spec[key] = flag
+            if spec.get("method") == "dflash":
+                from vllm_dflash.serving.draft_resolution import resolve_dflash_speculative_config
+
+                added, cfg = resolve_dflash_speculative_config(spec, target_model_config)
+                if added:
+                    self.speculative_config = {**(self.speculative_config or {}), **added}
+            # SpeculativeConfig forbids unknown keys: `draft_sample` becomes vLLM's draft_sample_method.
+            from vllm_dflash.serving.draft_sample import vllm_draft_sample_method
+
+            sample_method = vllm_draft_sample_method(spec, use_default=envs.use_plugin_impl())
+            if sample_method is not None:
+                kept = {k: v for k, v in (self.speculative_config or {}).items()
+                        if k.replace("-", "_") not in ("draft_sample", "draft_sample_method")}
+                self.speculative_config = {**kept, "draft_sample_method": sample_method}
+            result = original(self, target_model_config, target_parallel_config)
+            if cfg is not None and result is not None and result.draft_model_config is not None:
+                # The runner captures the aux layers named here; a draft that
+                # relies on z-lab's default rule gets them spelled out.
+                dflash = getattr(result.draft_model_config.hf_config, "dflash_config", None)
+                if isinstance(dflash, dict) and not dflash.get("target_layer_ids"):
+                    dflash["target_layer_ids"] = list(cfg.target_layer_ids)
+            return result
+
+        return create_speculative_config
+
+    wrap_once(EngineArgs, "create_speculative_config", make)
+
+
+ENTRIES: list[VllmInternal] = [
+    # ------------------------------------------------------------ patches --
+    VllmInternal(
+        symbol="vllm.model_executor.models.registry:ModelRegistry.register_model",
+        kind="patch",
+        process=("frontend", "worker"),
+        why="z-lab checkpoints say architectures=['DFlashDraftModel']; that name must load our draft model "
+        "(on vLLM's paged KV cache), not vLLM's in-tree one",
+        how="register_model('DFlashDraftModel', 'vllm_dflash.serving.draft_model:DFlashDraftForCausalLM'), "
+        "overriding the in-tree mapping (vLLM logs a warning)",
+        remove_when=NEVER,
+        params=("model_arch", "model_cls"),
+        ours="vllm_dflash.serving.draft_model:DFlashDraftForCausalLM",
+        install=_register_draft_model,
+    ),
+    VllmInternal(
+        symbol="vllm.v1.worker.gpu_model_runner:DFlashProposer",
+        kind="patch",
+        process=("worker",),
+        why="GPUModelRunner (and CPUModelRunner, its subclass) builds the dflash drafter as "
+        "DFlashProposer(vllm_config, device, runner) and isinstance-checks it by this module-level name",
+        how="rebind the runner module's name to vllm_dflash.serving.proposer.DFlashProposer",
+        remove_when="vLLM accepts an out-of-tree proposer class for a spec method (its custom_class proposer "
+        "gets neither target hidden states nor a draft KV cache in 0.32)",
+        params=("self", "vllm_config", "device", "runner"),
+        original="vllm.v1.spec_decode.dflash:DFlashProposer",
+        ours="vllm_dflash.serving.proposer:DFlashProposer",
+        used_by=RUNNER,
+        usage=("self.drafter = DFlashProposer(self.vllm_config, self.device, self)",
+               "self.drafter.propose(", "self.drafter.dummy_run("),
+        install=_install_proposer,
+    ),
+    VllmInternal(
+        symbol="vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",
+        kind="patch",
+        process=("frontend",),
+        why="Model Runner V2 (the CUDA default) has its own DFlash speculator; listing dflash as unsupported "
+        "there keeps it on the V1 runner, where the proposer patch applies",
+        how="wrap: append a reason when speculative_config.method == 'dflash'",
+        remove_when="the plugin hooks Model Runner V2's speculator too",
+        params=("self",),
+        used_by="vllm.config.vllm:VllmConfig",
+        usage=("self._get_v2_model_runner_unsupported_features()",),
+        install=_keep_v1_runner_for_dflash,
+    ),
+    VllmInternal(
+        symbol="vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+        kind="patch",
+        process=("frontend",),
+        why="SpeculativeConfig needs `model` and `num_speculative_tokens` for dflash and forbids unknown keys: "
+        "fill a missing draft (known-targets table) and count (block_size - 1), validate the draft as a "
+        "ValueError naming the field, translate our draft_sample key into vLLM's draft_sample_method",
+        how="wrap: complete the dict before vLLM's method builds SpeculativeConfig; spell out the draft's "
+        "target_layer_ids in its hf_config afterwards (the runner reads them)",
+        remove_when="never: the config completion and validation are the plugin's",
+        params=("self", "target_model_config", "target_parallel_config"),
+        used_by="vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        usage=("self.create_speculative_config(",),
+        install=_complete_dflash_speculative_config,
+        plugin_only=False,
+    ),
+    VllmInternal(
+        symbol="vllm.engine.arg_utils:EngineArgs",
+        kind="read",
+        process=("frontend",),
+        why="vLLM merges --speculative-method/-model/-tokens into the dict inside create_speculative_config; "
+        "the config patch looks at them to see the user's whole config",
+        how="read self.<name> inside the patched method",
+        remove_when="with the create_speculative_config patch",
+        names=("speculative_config", "spec_method", "spec_model", "spec_tokens"),
+    ),
+    # -------------------------------------------------------- proposer ----
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.__init__",
+        kind="call",
+        process=("worker",),
+        why="vLLM's generic proposer supplies the plumbing the runner calls (model loading, draft attention "
+        "groups, buffers, next-token and rejection bookkeeping, cudagraph keys)",
+        how="DFlashProposer subclasses it: super().__init__(vllm_config, device, "
+        "pass_hidden_states_to_model=False, runner=runner)",
+        remove_when="never (the base class is vLLM's proposer API)",
+        params=("vllm_config", "device", "pass_hidden_states_to_model", "runner"),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.propose",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer.propose",
+        process=("worker",),
+        why="the runner hands every drafter the target's hidden states and attention metadata here",
+        how="DFlashProposer.propose takes every argument by the same names",
+        remove_when="never (it is the proposer API)",
+        params=("self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+                "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+                "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings"),
+        used_by=RUNNER,
+        usage=("self.drafter.propose(",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.dummy_run",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer.dummy_run",
+        process=("worker",),
+        why="memory profiling and warm-up run the drafter once with the largest batch",
+        how="DFlashProposer.dummy_run computes context K/V and one query-block forward",
+        remove_when="never (it is the proposer API)",
+        params=("self", "num_tokens", "use_cudagraphs", "is_graph_capturing", "slot_mappings"),
+        used_by=RUNNER,
+        usage=("self.drafter.dummy_run(",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.load_model",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer.load_model",
+        process=("worker",),
+        why="check that the draft loaded as our DFlashDraftForCausalLM and install the opt-in phase profile",
+        how="DFlashProposer.load_model calls super().load_model(target_model) first",
+        remove_when="never (it is the proposer API)",
+        params=("self", "target_model"),
+        used_by=RUNNER,
+        usage=("self.drafter.load_model(",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}._create_draft_vllm_config",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer._create_draft_vllm_config",
+        process=("worker",),
+        why="the draft is text-only and its query block attends non-causally: the draft's VllmConfig needs "
+        "is_mm_prefix_lm off and attention_config.use_non_causal on",
+        how="override: super()'s config, then dataclasses.replace of those two fields",
+        remove_when="vLLM lets a proposer declare a non-causal draft (in-tree DFlash sets the same flags in its subclass)",
+        params=("self",),
+        used_by=f"{BASE_PROPOSER}._get_model",
+        usage=("self._create_draft_vllm_config()",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}._maybe_share_embeddings",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer._maybe_share_embeddings",
+        process=("worker",),
+        why="a DFlash draft has no embedding of its own: it always uses the target's (vLLM's version keeps a "
+        "draft's own when the checkpoint has one, and logs otherwise)",
+        how="override: set draft.model.embed_tokens to the target's model.embed_tokens, ValueError if absent",
+        remove_when="never while the draft shares the target's embedding",
+        params=("self", "target_language_model"),
+        used_by=f"{BASE_PROPOSER}.load_model",
+        usage=("self._maybe_share_embeddings(target_language_model)",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}._maybe_share_lm_head",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer._maybe_share_lm_head",
+        process=("worker",),
+        why="a DFlash draft has no LM head of its own: it always uses the target's",
+        how="override: set draft.lm_head to the target's lm_head, ValueError if absent",
+        remove_when="never while the draft shares the target's LM head",
+        params=("self", "target_language_model"),
+        used_by=f"{BASE_PROPOSER}.load_model",
+        usage=("self._maybe_share_lm_head(target_language_model)",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}._sample_draft_tokens",
+        kind="call",
+        process=("worker",),
+        why="with draft_sample_method='probabilistic' vLLM's own draft sampler draws the drafts at each "
+        "request's temperature and returns their probabilities q",
+        how="self._sample_draft_tokens(hidden_states, sampling_metadata) -> (ids, probs)",
+        remove_when="vLLM exposes the draft sampler publicly",
+        params=("hidden_states", "sampling_metadata"),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.build_per_group_and_layer_attn_metadata",
+        kind="call",
+        process=("worker",),
+        why="the query block's attention metadata comes from vLLM's builder for the draft's attention groups",
+        how="self.build_per_group_and_layer_attn_metadata(common_attn_metadata) -> (_, per_layer)",
+        remove_when="never (it is how a proposer gets attention metadata)",
+        params=("common_attn_metadata",),
+    ),
+    VllmInternal(
+        symbol=BASE_PROPOSER,
+        kind="read",
+        process=("worker",),
+        why="state vLLM's base proposer keeps: whether probabilistic drafting is on, where the draft "
+        "probabilities go for the rejection sampler, the draft's attention layers (slot mappings), buffers",
+        how="read self._enable_probabilistic_draft_probs, self._draft_attn_layer_names, self.positions, "
+        "self.input_ids, self.max_batch_size, self.dtype, self.block_size; set self._last_draft_probs "
+        "(the runner fetches it through take_last_draft_probs())",
+        remove_when="vLLM exposes them publicly",
+        names=("_enable_probabilistic_draft_probs", "_last_draft_probs", "_draft_attn_layer_names",
+               "positions", "input_ids", "max_batch_size", "dtype", "block_size", "parallel_drafting_token_id"),
+        used_by=f"{RUNNER}.propose_draft_token_ids",
+        usage=('hasattr(self.drafter, "take_last_draft_probs")', "self.drafter.take_last_draft_probs()"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backend:CommonAttentionMetadata",
+        kind="call",
+        process=("worker",),
+        why="the query block gets its own non-causal attention metadata",
+        how="CommonAttentionMetadata(...) with these fields, causal=False",
+        remove_when="never (it is vLLM's attention-metadata type)",
+        params=("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs",
+                "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping",
+                "causal"),
+    ),
+    VllmInternal(
+        symbol="vllm.forward_context:set_forward_context",
+        kind="call",
+        process=("worker",),
+        why="vLLM's Attention layers read their metadata and slot mapping from the forward context",
+        how="set_forward_context(per_layer_metadata, vllm_config, num_tokens=, slot_mapping=)",
+        remove_when="never (it is how vLLM layers get their context)",
+        params=("attn_metadata", "vllm_config", "num_tokens", "slot_mapping"),
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}._get_eagle3_aux_layers_from_config",
+        kind="mirror",
+        process=("worker",),
+        why="the runner captures target hidden states after the layers dflash_config.target_layer_ids name "
+        "(id + 1: the output of 0-based layer id); the config patch spells out ids a draft leaves to "
+        "z-lab's default rule, and vllm_dflash.config states the same semantics",
+        how="vllm_dflash.config (target_layer_ids semantics), the create_speculative_config patch",
+        ours="vllm_dflash.config:parse_draft_config",
+        remove_when="never (it is the checkpoint format both sides read)",
+        source_has=('i + 1 for i in (dflash_config.get("target_layer_ids") or [])',),
+    ),
+    # ------------------------------------------------------ draft model ----
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_name",
+        kind="call",
+        process=("worker",),
+        why="the context-KV writer picks the cache layout of the backend that will read it by name",
+        how="serving.draft_model.CACHE_LAYOUTS: 'CPU_ATTN' -> 'cpu'",
+        remove_when="vLLM exposes a cache-layout descriptor per backend",
+        returns="CPU_ATTN",
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.flash_attn:FlashAttentionBackend.get_name",
+        kind="call",
+        process=("worker",),
+        why="as CPU_ATTN: FlashAttention caches take layout 'flash'",
+        how="serving.draft_model.CACHE_LAYOUTS: 'FLASH_ATTN' -> 'flash'",
+        remove_when="vLLM exposes a cache-layout descriptor per backend",
+        returns="FLASH_ATTN",
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.attention:Attention",
+        kind="read",
+        process=("worker",),
+        why="context K/V go straight into each draft layer's paged cache, outside its forward",
+        how="layer.kv_cache (the bound cache tensor), layer.impl, layer.get_attn_backend()",
+        remove_when="vLLM offers a public 'store K/V at slots' call per attention layer",
+        names=("kv_cache", "impl", "get_attn_backend"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.do_kv_cache_update",
+        kind="call",
+        process=("worker",),
+        why="backends without a layout of our own (Triton, FlashInfer, ...) store context K/V with their "
+        "own cache writer; Triton's stands for all (FlashInfer's takes the same parameters but needs "
+        "flashinfer installed to import)",
+        how="attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slot_mapping)",
+        remove_when="vLLM offers a public 'store K/V at slots' call per attention layer",
+        params=("layer", "key", "value", "kv_cache", "slot_mapping"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding",
+        kind="read",
+        process=("worker",),
+        why="context keys are rotated outside the compiled graph, where CustomOp dispatch would pick the "
+        "slow native path; the fused op reads the cos/sin table itself",
+        how="rope.forward_cpu / forward_cuda / forward_native(positions, keys, None); rope.cos_sin_cache, "
+        "rope.is_neox_style; a rope is a 'table rope' when it keeps RotaryEmbedding's forward methods",
+        remove_when="never while context K/V are written outside the model's forward",
+        names=("forward_cpu", "forward_cuda", "forward_native", "forward_static", "forward",
+               "cos_sin_cache", "is_neox_style"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
+        kind="call",
+        process=("worker",),
+        why="see RotaryEmbedding: forward_cpu and forward_cuda take the same arguments",
+        how="rope.forward_<platform>(positions, keys, None)[0]",
+        remove_when="never while context K/V are written outside the model's forward",
+        params=("positions", "query", "key"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_static",
+        kind="mirror",
+        process=("worker",),
+        why="ops.store_context_kv_fused and its torch reference restate the rotation of a table rope",
+        how="cos_sin = cos_sin_cache[positions], cat(cos, sin) halves; neox: half split, else interleaved",
+        ours="vllm_dflash.ops:rms_norm_rope_ref",
+        remove_when="never while the fused op rotates context keys",
+        source_has=("cos_sin = cos_sin_cache.index_select(0, positions)", "cos, sin = cos_sin.chunk(2, dim=-1)"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.layernorm:RMSNorm",
+        kind="read",
+        process=("worker",),
+        why="hidden_norm runs as one native call (ops.rms_norm) when it is plain RMSNorm math",
+        how="norm.has_weight, norm.variance_size_override is None, norm.weight, norm.variance_epsilon",
+        remove_when="never while hidden_norm runs outside the compiled graph",
+        names=("has_weight", "variance_size_override", "weight", "variance_epsilon"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
+        kind="mirror",
+        process=("worker",),
+        why="the CPU cache packing depends on the ISA vLLM picks; ops.resolve_kv_layout restates the rule",
+        how="head_size % 32 != 0 and % 16 == 0 -> vec16; AMX + bf16 + block_size % 32 == 0 -> amx; else vec/vec16",
+        ours="vllm_dflash.ops:resolve_kv_layout",
+        remove_when="vLLM records the ISA on the cache or layer in a public place",
+        source_has=('head_size % 32 != 0 and head_size % 16 == 0', 'return "vec16"',
+                    "torch.cpu._is_amx_tile_supported()",
+                    "supports_amx and dtype in (torch.bfloat16,) and block_size % 32 == 0", 'return "amx"'),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+        kind="mirror",
+        process=("worker",),
+        why="ops.store_context_kv_layer's 'cpu' layouts pack a page as vLLM's CPU attention reads it",
+        how="per (block, head): block_size*2 rows of head_size, K part then V part",
+        ours="vllm_dflash.ops:write_context_kv_ref",
+        remove_when="vLLM exposes a cache writer for arbitrary slots",
+        source_has=("kv_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))",
+                    "key_cache, value_cache = kv_cache.chunk(2, dim=2)"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+        kind="mirror",
+        process=("worker",),
+        why="ops.store_context_kv_layer's 'flash' layout is the one FlashAttention reads",
+        how="kv_cache[b, h, o, :d] = K, kv_cache[b, h, o, d:] = V",
+        ours="vllm_dflash.ops:write_context_kv_ref",
+        remove_when="vLLM exposes a cache writer for arbitrary slots",
+        source_has=("key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)",),
+    ),
+]
