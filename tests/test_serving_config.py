@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from types import SimpleNamespace
 
@@ -164,8 +165,19 @@ def test_engine_config_gets_draft_defaults(pair, plugin):
     assert spec.method == "dflash" and spec.model == pair.draft_dir
     assert spec.num_speculative_tokens == BLOCK_SIZE - 1
     assert spec.draft_model_config.hf_config.dflash_config["target_layer_ids"] == [0, 2]
+    # The validated DFlashConfig travels with the speculative config (pickled into engine and workers).
+    _, expected = resolve_dflash_speculative_config({"method": "dflash", "model": pair.draft_dir},
+                                                    _target_model_config(pair))
+    assert draft_resolution.dflash_config_of(spec) == expected
+    assert draft_resolution.dflash_config_of(pickle.loads(pickle.dumps(config)).speculative_config) == expected
     # On CUDA, Model Runner V2 would bypass the plugin's proposer: dflash stays on V1.
     assert any("vllm-dflash" in f for f in config._get_v2_model_runner_unsupported_features())
+
+
+def test_dflash_config_of_a_config_built_without_the_plugin_is_a_clear_error():
+    with pytest.raises(ValueError, match="carries no validated DFlash config: it was not built by "
+                                         "EngineArgs.create_speculative_config with vllm-dflash registered"):
+        draft_resolution.dflash_config_of(SimpleNamespace(method="dflash"))
 
 
 def test_cli_flags_get_the_same_defaults(pair, plugin):

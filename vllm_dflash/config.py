@@ -37,6 +37,7 @@ class DFlashConfig:
     num_draft_layers: int
     hidden_size: int
     vocab_size: int
+    use_swa: bool = False  # dflash_config.use_swa: sliding-window draft layers (not served by the plugin)
 
     @property
     def num_features(self) -> int:
@@ -187,6 +188,7 @@ def parse_draft_config(draft_cfg: Any) -> DFlashConfig:
         num_draft_layers=num_draft_layers,
         hidden_size=hidden_size,
         vocab_size=vocab_size,
+        use_swa=bool(dflash.get("use_swa", False)),
     )
 
 

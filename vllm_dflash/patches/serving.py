@@ -4,7 +4,6 @@ override, call, read or mirror)."""
 
 from __future__ import annotations
 
-from vllm_dflash import envs
 from vllm_dflash.patches.internal import VllmInternal, wrap_once
 
 BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
@@ -47,38 +46,9 @@ def _complete_dflash_speculative_config() -> None:
 
     def make(original):
         def create_speculative_config(self, target_model_config, target_parallel_config):
-            cfg = None
-            spec = {k.replace("-", "_"): v for k, v in (self.speculative_config or {}).items()}
-            # vLLM merges these CLI flags into the dict itself; look at them too.
-            for key, flag in (
-                ("method", self.spec_method),
-                ("model", self.spec_model),
-                ("num_speculative_tokens", self.spec_tokens),
-            ):
-                if flag is not None:
-                    spec[key] = flag
-            if spec.get("method") == "dflash":
-                from vllm_dflash.serving.draft_resolution import resolve_dflash_speculative_config
+            from vllm_dflash.serving.draft_resolution import complete_speculative_config
 
-                added, cfg = resolve_dflash_speculative_config(spec, target_model_config)
-                if added:
-                    self.speculative_config = {**(self.speculative_config or {}), **added}
-            # SpeculativeConfig forbids unknown keys: `draft_sample` becomes vLLM's draft_sample_method.
-            from vllm_dflash.serving.draft_sample import vllm_draft_sample_method
-
-            sample_method = vllm_draft_sample_method(spec, use_default=envs.use_plugin_impl())
-            if sample_method is not None:
-                kept = {k: v for k, v in (self.speculative_config or {}).items()
-                        if k.replace("-", "_") not in ("draft_sample", "draft_sample_method")}
-                self.speculative_config = {**kept, "draft_sample_method": sample_method}
-            result = original(self, target_model_config, target_parallel_config)
-            if cfg is not None and result is not None and result.draft_model_config is not None:
-                # The runner captures the aux layers named here; a draft that
-                # relies on z-lab's default rule gets them spelled out.
-                dflash = getattr(result.draft_model_config.hf_config, "dflash_config", None)
-                if isinstance(dflash, dict) and not dflash.get("target_layer_ids"):
-                    dflash["target_layer_ids"] = list(cfg.target_layer_ids)
-            return result
+            return complete_speculative_config(self, original, target_model_config, target_parallel_config)
 
         return create_speculative_config
 
@@ -137,8 +107,9 @@ ENTRIES: list[VllmInternal] = [
         why="SpeculativeConfig needs `model` and `num_speculative_tokens` for dflash and forbids unknown keys: "
         "fill a missing draft (known-targets table) and count (block_size - 1), validate the draft as a "
         "ValueError naming the field, translate our draft_sample key into vLLM's draft_sample_method",
-        how="wrap: complete the dict before vLLM's method builds SpeculativeConfig; spell out the draft's "
-        "target_layer_ids in its hf_config afterwards (the runner reads them)",
+        how="wrap (serving.draft_resolution.complete_speculative_config): complete the dict before vLLM's "
+        "method builds SpeculativeConfig; afterwards spell out the draft's target_layer_ids in its hf_config "
+        "(the runner reads them) and attach the validated DFlashConfig to the SpeculativeConfig",
         remove_when="never: the config completion and validation are the plugin's",
         params=("self", "target_model_config", "target_parallel_config"),
         used_by="vllm.engine.arg_utils:EngineArgs.create_engine_config",
@@ -274,7 +245,7 @@ ENTRIES: list[VllmInternal] = [
         "(the runner fetches it through take_last_draft_probs())",
         remove_when="vLLM exposes them publicly",
         names=("_enable_probabilistic_draft_probs", "_last_draft_probs", "_draft_attn_layer_names",
-               "positions", "input_ids", "max_batch_size", "dtype", "block_size", "parallel_drafting_token_id"),
+               "positions", "input_ids", "max_batch_size", "dtype", "block_size"),
         used_by=f"{RUNNER}.propose_draft_token_ids",
         usage=('hasattr(self.drafter, "take_last_draft_probs")', "self.drafter.take_last_draft_probs()"),
     ),

@@ -42,6 +42,8 @@ from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefi
 from vllm.transformers_utils.config import set_default_rope_theta
 
 from vllm_dflash import ops
+from vllm_dflash.config import DFlashConfig
+from vllm_dflash.serving.draft_resolution import dflash_config_of
 
 # (fused parameter, checkpoint name part it holds, shard id), as in vLLM's Qwen models.
 STACKED_PARAMS = (
@@ -65,13 +67,12 @@ def _draft_hf_config(vllm_config: VllmConfig):
     return spec.draft_model_config.hf_config
 
 
-def _check_full_attention(config) -> None:
+def _check_full_attention(config, dflash: DFlashConfig) -> None:
     layer_types = getattr(config, "layer_types", None) or []
-    dflash = getattr(config, "dflash_config", None) or {}
-    if any(t != "full_attention" for t in layer_types) or dflash.get("use_swa"):
+    if any(t != "full_attention" for t in layer_types) or dflash.use_swa:
         raise ValueError(
             f"draft layer_types={list(layer_types)} / dflash_config.use_swa="
-            f"{dflash.get('use_swa')} ask for sliding-window attention, which vllm-dflash "
+            f"{dflash.use_swa} ask for sliding-window attention, which vllm-dflash "
             "does not serve; use a draft with full attention in every layer, or run vLLM's "
             "in-tree DFlash with VLLM_DFLASH_IMPL=vllm"
         )
@@ -239,21 +240,15 @@ class DFlashModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", start_layer_id: int = 0):
         super().__init__()
         config = _draft_hf_config(vllm_config)
-        _check_full_attention(config)
+        dflash = dflash_config_of(vllm_config.speculative_config)
+        _check_full_attention(config, dflash)
         set_default_rope_theta(config, default_theta=1000000)
         cache_config = get_current_vllm_config().cache_config
         quant_config = get_draft_quant_config(vllm_config)
 
-        dflash = getattr(config, "dflash_config", None) or {}
-        num_features = len(dflash.get("target_layer_ids") or ())
-        if num_features == 0:
-            raise ValueError(
-                "draft dflash_config.target_layer_ids is empty; list the 0-based target "
-                "layers whose hidden states the draft was trained on"
-            )
         target_hidden = getattr(config, "target_hidden_size", None) or vllm_config.model_config.get_hidden_size()
         self.fc = ReplicatedLinear(
-            num_features * target_hidden,
+            dflash.num_features * target_hidden,
             config.hidden_size,
             bias=False,
             quant_config=None,

@@ -11,7 +11,15 @@ was not provided"). Here, before vLLM sees the dict:
 * the draft's config.json is validated against the target
   (`vllm_dflash.config.validate_draft_config`), so a bad draft fails at
   `LLM(...)` with a ValueError naming the field and the fix;
-* a missing `num_speculative_tokens` becomes the draft's `block_size - 1`.
+* a missing `num_speculative_tokens` becomes the draft's `block_size - 1`;
+* our `draft_sample` key becomes vLLM's `draft_sample_method`.
+
+After vLLM built the SpeculativeConfig, the validated `DFlashConfig` is
+attached to it (`dflash_config_of`), so it travels with the config into the
+engine and worker processes: the proposer and the draft model read
+mask_token_id, target_layer_ids and block_size from it, and from nowhere
+else. `complete_speculative_config` runs inside vLLM's
+`EngineArgs.create_speculative_config` (a patch in vllm_dflash.patches).
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_dflash import envs
 from vllm_dflash.config import DFlashConfig, validate_draft_config
+from vllm_dflash.serving.draft_sample import vllm_draft_sample_method
 
 logger = logging.getLogger("vllm.vllm_dflash")
 
@@ -113,3 +123,58 @@ def resolve_dflash_speculative_config(
             f"in [1, {cfg.num_speculative_tokens}] or omit it (default {cfg.num_speculative_tokens})"
         )
     return added, cfg
+
+
+# Attribute of vLLM's SpeculativeConfig holding the validated DFlashConfig (pickled with it).
+DFLASH_CONFIG_ATTRIBUTE = "vllm_dflash_config"
+
+
+def dflash_config_of(speculative_config: Any) -> DFlashConfig:
+    """The DFlashConfig validated when the engine config was built."""
+    cfg = getattr(speculative_config, DFLASH_CONFIG_ATTRIBUTE, None)
+    if not isinstance(cfg, DFlashConfig):
+        raise ValueError(
+            "speculative_config carries no validated DFlash config: it was not built by "
+            "EngineArgs.create_speculative_config with vllm-dflash registered. Build the engine through "
+            "LLM(...), `vllm serve` or EngineArgs.create_engine_config() with the plugin installed"
+        )
+    return cfg
+
+
+def complete_speculative_config(
+    engine_args: Any,
+    create: Callable[[Any, Any, Any], Any],
+    target_model_config: Any,
+    target_parallel_config: Any,
+) -> Any:
+    """vLLM's `EngineArgs.create_speculative_config` (`create`) with a dflash
+    dict completed and validated first, and the DFlashConfig attached after."""
+    spec = {k.replace("-", "_"): v for k, v in (engine_args.speculative_config or {}).items()}
+    # vLLM merges these CLI flags into the dict itself; look at them too.
+    for key, flag in (
+        ("method", engine_args.spec_method),
+        ("model", engine_args.spec_model),
+        ("num_speculative_tokens", engine_args.spec_tokens),
+    ):
+        if flag is not None:
+            spec[key] = flag
+    cfg = None
+    if spec.get("method") == "dflash":
+        added, cfg = resolve_dflash_speculative_config(spec, target_model_config)
+        if added:
+            engine_args.speculative_config = {**(engine_args.speculative_config or {}), **added}
+    # SpeculativeConfig forbids unknown keys: `draft_sample` becomes vLLM's draft_sample_method.
+    sample_method = vllm_draft_sample_method(spec, use_default=envs.use_plugin_impl())
+    if sample_method is not None:
+        kept = {k: v for k, v in (engine_args.speculative_config or {}).items()
+                if k.replace("-", "_") not in ("draft_sample", "draft_sample_method")}
+        engine_args.speculative_config = {**kept, "draft_sample_method": sample_method}
+    result = create(engine_args, target_model_config, target_parallel_config)
+    if cfg is not None and result is not None:
+        # The runner captures the aux layers named here; a draft that relies on
+        # z-lab's default rule gets them spelled out.
+        dflash = getattr(result.draft_model_config.hf_config, "dflash_config", None)
+        if isinstance(dflash, dict) and not dflash.get("target_layer_ids"):
+            dflash["target_layer_ids"] = list(cfg.target_layer_ids)
+        setattr(result, DFLASH_CONFIG_ATTRIBUTE, cfg)
+    return result

@@ -38,6 +38,7 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_dflash import ops
 from vllm_dflash.serving import profile
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
+from vllm_dflash.serving.draft_resolution import dflash_config_of
 
 logger = init_logger(__name__)
 
@@ -55,12 +56,14 @@ class DFlashProposer(SpecDecodeBaseProposer):
         # The draft forward takes token ids only: target features enter through
         # the context KV written by store_context_kv, not as model inputs.
         super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
-        self.mask_token_id = self.parallel_drafting_token_id
+        self.dflash_config = dflash_config_of(spec)
+        self.mask_token_id = self.dflash_config.mask_token_id
         self.keep_draft_probs = False
         self.last_draft_probs: torch.Tensor | None = None  # [B, k, V] float32
         logger.info(
-            "vllm-dflash DFlash proposer: draft %s, %d draft tokens per step",
+            "vllm-dflash DFlash proposer: draft %s (block_size %d), %d draft tokens per step",
             spec.model,
+            self.dflash_config.block_size,
             spec.num_speculative_tokens,
         )
 
