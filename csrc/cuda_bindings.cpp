@@ -1,5 +1,7 @@
-// CUDA implementations of the vllm_dflash ops: validate tensors, then call the
-// plain-CUDA launchers on the current stream. Built only when torch has CUDA.
+// CUDA implementations of the vllm_dflash ops, all registered here: validate
+// tensors (csrc/ops_common.h, shared with the CPU implementations), then call
+// the plain-CUDA launchers (csrc/cuda/launchers.h) on the current stream.
+// Built only when torch has CUDA.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -58,11 +60,11 @@ void gather_hidden_states_out_cuda(at::TensorList hidden_states,
   gather_into_cuda(hidden_states, indices, out, s);
 }
 
-void write_context_kv_cuda(const at::Tensor& key, const at::Tensor& value,
+void store_context_kv_layer_cuda(const at::Tensor& key, const at::Tensor& value,
                            at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                            c10::string_view layout) {
   const KVShape s =
-      check_write_context_kv_inputs(key, value, kv_cache, slot_mapping, layout);
+      check_store_context_kv_layer_inputs(key, value, kv_cache, slot_mapping, layout);
   const c10::cuda::CUDAGuard guard(key.device());
   const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
@@ -87,7 +89,7 @@ void write_context_kv_cuda(const at::Tensor& key, const at::Tensor& value,
   a.block_size = s.block_size;
   check_launch(cuda::launch_write_kv_flash(
                    a, c10::cuda::getCurrentCUDAStream(key.device().index()).stream()),
-               "write_context_kv");
+               "store_context_kv_layer");
 }
 
 
@@ -95,16 +97,16 @@ int dtype_code(at::ScalarType t) {
   return t == at::kFloat ? 0 : (t == at::kHalf ? 1 : 2);
 }
 
-void context_kv_write_cuda(const at::Tensor& key, const at::Tensor& value,
+void store_context_kv_fused_cuda(const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& k_norm_weight, double eps,
                            const at::Tensor& cos_sin_cache,
                            const at::Tensor& positions, bool is_neox,
                            at::TensorList kv_caches, const at::Tensor& slot_mapping,
                            c10::string_view layout) {
-  const ContextKVShape s = check_context_kv_write_inputs(
+  const ContextKVShape s = check_store_context_kv_fused_inputs(
       key, value, k_norm_weight, cos_sin_cache, positions, kv_caches,
       slot_mapping, layout);
-  TORCH_CHECK_VALUE(s.kv.layout == KVLayout::kFlash, "context_kv_write: CUDA "
+  TORCH_CHECK_VALUE(s.kv.layout == KVLayout::kFlash, "store_context_kv_fused: CUDA "
                     "caches use layout='flash'");
   const c10::cuda::CUDAGuard guard(key.device());
   const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
@@ -113,7 +115,7 @@ void context_kv_write_cuda(const at::Tensor& key, const at::Tensor& value,
   const at::Tensor pos = positions.contiguous();
   std::vector<void*> caches;
   for (const at::Tensor& c : kv_caches) caches.push_back(c.data_ptr());
-  cuda::ContextKVWriteArgs a{};
+  cuda::StoreContextKVFusedArgs a{};
   a.key = k.const_data_ptr();
   a.value = v.const_data_ptr();
   for (int dim = 0; dim < 3; ++dim) {
@@ -144,9 +146,9 @@ void context_kv_write_cuda(const at::Tensor& key, const at::Tensor& value,
   a.is_neox = is_neox;
   a.dtype = dtype_code(key.scalar_type());
   a.cos_sin_dtype = dtype_code(cos_sin_cache.scalar_type());
-  check_launch(cuda::launch_context_kv_write(
+  check_launch(cuda::launch_store_context_kv_fused(
                    a, c10::cuda::getCurrentCUDAStream(key.device().index()).stream()),
-               "context_kv_write");
+               "store_context_kv_fused");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -225,14 +227,43 @@ at::Tensor rms_norm_cuda(const at::Tensor& input, const at::Tensor& weight, doub
   return out;
 }
 
+template <typename T>
+const T* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr<T>() : nullptr;
+}
+
+at::Tensor rejection_sample_cuda(
+    const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+    const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+    const std::optional<at::Tensor>& bonus_token_ids,
+    const std::optional<at::Tensor>& is_greedy,
+    const std::optional<at::Tensor>& uniforms,
+    const std::optional<at::Tensor>& exp_noise, int64_t max_spec_len) {
+  const c10::cuda::OptionalCUDAGuard guard(target_probs.device());
+  at::Tensor out = check_rejection_sample_args(
+      draft_token_ids, cu_num_draft_tokens, target_probs, draft_probs,
+      bonus_token_ids, is_greedy, uniforms, exp_noise, max_spec_len);
+  check_launch(cuda::launch_rejection_sample(
+                   out.data_ptr<int32_t>(), draft_token_ids.data_ptr<int32_t>(),
+                   cu_num_draft_tokens.data_ptr<int32_t>(), target_probs.data_ptr<float>(),
+                   optional_ptr<float>(draft_probs), optional_ptr<int32_t>(bonus_token_ids),
+                   optional_ptr<bool>(is_greedy), optional_ptr<double>(uniforms),
+                   optional_ptr<float>(exp_noise), cu_num_draft_tokens.size(0),
+                   target_probs.size(1), max_spec_len,
+                   c10::cuda::getCurrentCUDAStream().stream()),
+               "rejection_sample");
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_dflash
 
 TORCH_LIBRARY_IMPL(vllm_dflash, CUDA, m) {
   m.impl("gather_hidden_states", &vllm_dflash::gather_hidden_states_cuda);
   m.impl("gather_hidden_states_out", &vllm_dflash::gather_hidden_states_out_cuda);
-  m.impl("write_context_kv", &vllm_dflash::write_context_kv_cuda);
-  m.impl("context_kv_write", &vllm_dflash::context_kv_write_cuda);
+  m.impl("store_context_kv_layer", &vllm_dflash::store_context_kv_layer_cuda);
+  m.impl("store_context_kv_fused", &vllm_dflash::store_context_kv_fused_cuda);
   m.impl("prepare_dflash_inputs", &vllm_dflash::prepare_dflash_inputs_cuda);
   m.impl("rms_norm", &vllm_dflash::rms_norm_cuda);
+  m.impl("rejection_sample", &vllm_dflash::rejection_sample_cuda);
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -90,7 +91,7 @@ inline at::Tensor dense_rows(const at::Tensor& t) {
 }
 
 // ---------------------------------------------------------------------------
-// write_context_kv
+// store_context_kv_layer
 // ---------------------------------------------------------------------------
 
 enum class KVLayout {
@@ -134,7 +135,7 @@ inline KVLayout resolve_cpu_layout(at::ScalarType dtype, int64_t block_size,
   return KVLayout::kCpuVec;  // "vec" (block_size % 32 == 0) or "vec16"
 #else
   TORCH_CHECK_VALUE(false,
-                    "write_context_kv: layout='cpu' is only implemented for "
+                    "store_context_kv_layer: layout='cpu' is only implemented for "
                     "x86 (vLLM's vec/vec16/amx packings); vLLM uses another "
                     "packing (neon/vsx/vxe/rvv) on this architecture");
   return KVLayout::kCpuVec;
@@ -150,51 +151,51 @@ struct KVShape {
   KVLayout layout;
 };
 
-inline KVShape check_write_context_kv_inputs(const at::Tensor& key,
+inline KVShape check_store_context_kv_layer_inputs(const at::Tensor& key,
                                              const at::Tensor& value,
                                              const at::Tensor& kv_cache,
                                              const at::Tensor& slot_mapping,
                                              std::string_view layout) {
-  TORCH_CHECK_VALUE(key.dim() == 3, "write_context_kv: key must be 3-D "
+  TORCH_CHECK_VALUE(key.dim() == 3, "store_context_kv_layer: key must be 3-D "
                     "[n, num_kv_heads, head_size], got shape ", key.sizes());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "write_context_kv: value "
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "store_context_kv_layer: value "
                     "shape ", value.sizes(), " differs from key shape ",
                     key.sizes());
   TORCH_CHECK_VALUE(value.scalar_type() == key.scalar_type(),
-                    "write_context_kv: value is ", value.scalar_type(),
+                    "store_context_kv_layer: value is ", value.scalar_type(),
                     " but key is ", key.scalar_type());
   TORCH_CHECK_VALUE(kv_cache.element_size() != 1,
-                    "write_context_kv: kv_cache is ", kv_cache.scalar_type(),
+                    "store_context_kv_layer: kv_cache is ", kv_cache.scalar_type(),
                     " (an fp8/quantized KV cache); only unquantized caches are "
                     "supported, start vLLM with kv_cache_dtype='auto'");
   TORCH_CHECK_VALUE(kv_cache.scalar_type() == key.scalar_type(),
-                    "write_context_kv: kv_cache is ", kv_cache.scalar_type(),
+                    "store_context_kv_layer: kv_cache is ", kv_cache.scalar_type(),
                     " but key is ", key.scalar_type(),
                     "; cast key/value to the cache dtype");
   TORCH_CHECK_VALUE(kv_cache.element_size() == 2 || kv_cache.element_size() == 4,
-                    "write_context_kv: unsupported dtype ",
+                    "store_context_kv_layer: unsupported dtype ",
                     kv_cache.scalar_type(), "; use float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(kv_cache.dim() == 4, "write_context_kv: kv_cache must be "
+  TORCH_CHECK_VALUE(kv_cache.dim() == 4, "store_context_kv_layer: kv_cache must be "
                     "one layer's cache [num_blocks, num_kv_heads, block_size, "
                     "2 * head_size], got shape ", kv_cache.sizes());
   const int64_t H = key.size(1), d = key.size(2);
   TORCH_CHECK_VALUE(kv_cache.size(1) == H && kv_cache.size(3) == 2 * d,
-                    "write_context_kv: kv_cache shape ", kv_cache.sizes(),
+                    "store_context_kv_layer: kv_cache shape ", kv_cache.sizes(),
                     " does not fit key [n, ", H, ", ", d,
                     "]; expected [num_blocks, ", H, ", block_size, ", 2 * d, "]");
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong,
-                    "write_context_kv: slot_mapping must be a 1-D int64 tensor, "
+                    "store_context_kv_layer: slot_mapping must be a 1-D int64 tensor, "
                     "got ", slot_mapping.scalar_type(), " of shape ",
                     slot_mapping.sizes());
   TORCH_CHECK_VALUE(slot_mapping.size(0) <= key.size(0),
-                    "write_context_kv: slot_mapping has ", slot_mapping.size(0),
+                    "store_context_kv_layer: slot_mapping has ", slot_mapping.size(0),
                     " entries but key has only ", key.size(0), " rows");
   for (const at::Tensor* t : {&value, &kv_cache, &slot_mapping}) {
-    TORCH_CHECK_VALUE(t->device() == key.device(), "write_context_kv: all "
+    TORCH_CHECK_VALUE(t->device() == key.device(), "store_context_kv_layer: all "
                       "tensors must be on one device; key is on ", key.device(),
                       " but another input is on ", t->device());
   }
-  TORCH_CHECK_VALUE(kv_cache.stride(3) == 1, "write_context_kv: the last "
+  TORCH_CHECK_VALUE(kv_cache.stride(3) == 1, "store_context_kv_layer: the last "
                     "kv_cache dim must be contiguous (stride 1), got strides ",
                     kv_cache.strides());
 
@@ -209,23 +210,23 @@ inline KVShape check_write_context_kv_inputs(const at::Tensor& key,
   } else if (layout == "cpu_amx") {
     s.layout = KVLayout::kCpuAmx;
   } else {
-    TORCH_CHECK_VALUE(false, "write_context_kv: unknown layout '",
+    TORCH_CHECK_VALUE(false, "store_context_kv_layer: unknown layout '",
                       std::string(layout), "'; use 'cpu' (vLLM CPU attention), "
                       "'flash' (FlashAttention), 'cpu_vec' or 'cpu_amx'");
   }
   if (s.layout != KVLayout::kFlash) {
-    TORCH_CHECK_VALUE(kv_cache.device().is_cpu(), "write_context_kv: layout '",
+    TORCH_CHECK_VALUE(kv_cache.device().is_cpu(), "store_context_kv_layer: layout '",
                       std::string(layout), "' is vLLM's CPU attention layout "
                       "but kv_cache is on ", kv_cache.device(),
                       "; use layout='flash' on CUDA");
-    TORCH_CHECK_VALUE(kv_cache.stride(2) == 2 * d, "write_context_kv: the CPU "
+    TORCH_CHECK_VALUE(kv_cache.stride(2) == 2 * d, "store_context_kv_layer: the CPU "
                       "layout needs each [block_size, 2*head_size] page "
                       "contiguous, got kv_cache strides ", kv_cache.strides());
   }
   if (s.layout == KVLayout::kCpuAmx) {
     TORCH_CHECK_VALUE(kv_cache.element_size() == 2 && s.block_size % 32 == 0 &&
                           d % 16 == 0,
-                      "write_context_kv: the AMX layout needs a 16-bit cache, "
+                      "store_context_kv_layer: the AMX layout needs a 16-bit cache, "
                       "block_size % 32 == 0 and head_size % 16 == 0, got ",
                       kv_cache.scalar_type(), ", block_size=", s.block_size,
                       ", head_size=", d);
@@ -235,7 +236,7 @@ inline KVShape check_write_context_kv_inputs(const at::Tensor& key,
 
 
 // ---------------------------------------------------------------------------
-// context_kv_write
+// store_context_kv_fused
 // ---------------------------------------------------------------------------
 
 struct ContextKVShape {
@@ -248,30 +249,30 @@ struct ContextKVShape {
 // key/value [n', L, H, d] (last dim dense or fixed up by the caller),
 // k_norm_weight [L, d] in key's dtype, cos_sin_cache [max_pos, rot_dim] =
 // cat(cos, sin) of any float dtype, positions int64 [>= n], L caches that
-// write_context_kv would accept for key[:, l].
-inline ContextKVShape check_context_kv_write_inputs(
+// store_context_kv_layer would accept for key[:, l].
+inline ContextKVShape check_store_context_kv_fused_inputs(
     const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& k_norm_weight, const at::Tensor& cos_sin_cache,
     const at::Tensor& positions, at::TensorList kv_caches,
     const at::Tensor& slot_mapping, std::string_view layout) {
-  TORCH_CHECK_VALUE(key.dim() == 4, "context_kv_write: key must be 4-D "
+  TORCH_CHECK_VALUE(key.dim() == 4, "store_context_kv_fused: key must be 4-D "
                     "[n, num_layers, num_kv_heads, head_size], got shape ",
                     key.sizes());
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "context_kv_write: value "
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "store_context_kv_fused: value "
                     "shape ", value.sizes(), " differs from key shape ",
                     key.sizes());
   const int64_t L = key.size(1), d = key.size(3);
   TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) == L,
-                    "context_kv_write: got ", kv_caches.size(), " kv_caches "
+                    "store_context_kv_fused: got ", kv_caches.size(), " kv_caches "
                     "for ", L, " layers in key; pass one cache per layer");
-  TORCH_CHECK_VALUE(L > 0, "context_kv_write: key has no layers");
+  TORCH_CHECK_VALUE(L > 0, "store_context_kv_fused: key has no layers");
   TORCH_CHECK_VALUE(k_norm_weight.dim() == 2 && k_norm_weight.size(0) == L &&
                         k_norm_weight.size(1) == d,
-                    "context_kv_write: k_norm_weight must be [", L, ", ", d,
+                    "store_context_kv_fused: k_norm_weight must be [", L, ", ", d,
                     "] (one k_norm weight per layer), got ",
                     k_norm_weight.sizes());
   TORCH_CHECK_VALUE(k_norm_weight.scalar_type() == key.scalar_type(),
-                    "context_kv_write: k_norm_weight is ",
+                    "store_context_kv_fused: k_norm_weight is ",
                     k_norm_weight.scalar_type(), " but key is ",
                     key.scalar_type(), "; cast it to the model dtype");
   TORCH_CHECK_VALUE(cos_sin_cache.dim() == 2 &&
@@ -280,17 +281,17 @@ inline ContextKVShape check_context_kv_write_inputs(
                          cos_sin_cache.scalar_type() == at::kBFloat16) &&
                         cos_sin_cache.size(1) % 2 == 0 &&
                         cos_sin_cache.size(1) > 0 && cos_sin_cache.size(1) <= d,
-                    "context_kv_write: cos_sin_cache must be a float32/16 "
+                    "store_context_kv_fused: cos_sin_cache must be a float32/16 "
                     "[max_position, rotary_dim] tensor (cat(cos, sin), "
                     "rotary_dim even and <= head_size ", d, "), got ",
                     cos_sin_cache.scalar_type(), " ", cos_sin_cache.sizes());
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.scalar_type() == at::kLong &&
                         positions.size(0) >= slot_mapping.size(0),
-                    "context_kv_write: positions must be 1-D int64 with at "
+                    "store_context_kv_fused: positions must be 1-D int64 with at "
                     "least ", slot_mapping.size(0), " entries (one per slot), "
                     "got ", positions.scalar_type(), " ", positions.sizes());
   for (const at::Tensor* t : {&k_norm_weight, &cos_sin_cache, &positions}) {
-    TORCH_CHECK_VALUE(t->device() == key.device(), "context_kv_write: all "
+    TORCH_CHECK_VALUE(t->device() == key.device(), "store_context_kv_fused: all "
                       "tensors must be on one device; key is on ", key.device(),
                       " but another input is on ", t->device());
   }
@@ -299,7 +300,7 @@ inline ContextKVShape check_context_kv_write_inputs(
   s.rot_dim = cos_sin_cache.size(1);
   s.max_pos = cos_sin_cache.size(0);
   const at::Tensor k0 = key.select(1, 0), v0 = value.select(1, 0);
-  s.kv = check_write_context_kv_inputs(k0, v0, kv_caches[0], slot_mapping,
+  s.kv = check_store_context_kv_layer_inputs(k0, v0, kv_caches[0], slot_mapping,
                                        layout);
   for (int64_t l = 1; l < L; ++l) {
     const at::Tensor& c = kv_caches[l];
@@ -307,7 +308,7 @@ inline ContextKVShape check_context_kv_write_inputs(
                           c.strides() == kv_caches[0].strides() &&
                           c.scalar_type() == kv_caches[0].scalar_type() &&
                           c.device() == kv_caches[0].device(),
-                      "context_kv_write: kv_caches[", l, "] (", c.scalar_type(),
+                      "store_context_kv_fused: kv_caches[", l, "] (", c.scalar_type(),
                       " ", c.sizes(), ", strides ", c.strides(), ") differs "
                       "from kv_caches[0] (", kv_caches[0].scalar_type(), " ",
                       kv_caches[0].sizes(), ", strides ", kv_caches[0].strides(),
@@ -417,6 +418,72 @@ inline void check_rms_norm_inputs(const at::Tensor& input, const at::Tensor& wei
                     "; use float32, float16 or bfloat16");
   TORCH_CHECK_VALUE(weight.device() == input.device(), "rms_norm: weight is on ",
                     weight.device(), " but input is on ", input.device());
+}
+
+// ---------------------------------------------------------------------------
+// rejection_sample
+// ---------------------------------------------------------------------------
+
+// Checks shapes, dtypes, devices and contiguity (TORCH_CHECK: RuntimeError; the
+// Python entry point vllm_dflash.verifier.rejection raises ValueError first);
+// returns the output tensor [batch, max_spec_len + 1] int32, uninitialized: the
+// kernels write every slot.
+inline at::Tensor check_rejection_sample_args(
+    const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+    const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+    const std::optional<at::Tensor>& bonus_token_ids,
+    const std::optional<at::Tensor>& is_greedy,
+    const std::optional<at::Tensor>& uniforms,
+    const std::optional<at::Tensor>& exp_noise, int64_t max_spec_len) {
+  const auto device = target_probs.device();
+  auto check = [&](const at::Tensor& t, const char* name, at::ScalarType dtype,
+                   int64_t dim) {
+    TORCH_CHECK(t.scalar_type() == dtype, "rejection_sample: ", name,
+                " must be ", dtype, ", got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == dim, "rejection_sample: ", name, " must be ", dim,
+                "-D, got ", t.dim(), "-D");
+    TORCH_CHECK(t.device() == device, "rejection_sample: ", name,
+                " must be on ", device, ", got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), "rejection_sample: ", name,
+                " must be contiguous");
+  };
+  check(draft_token_ids, "draft_token_ids", at::kInt, 1);
+  check(cu_num_draft_tokens, "cu_num_draft_tokens", at::kInt, 1);
+  check(target_probs, "target_probs", at::kFloat, 2);
+  const int64_t num_tokens = draft_token_ids.size(0);
+  const int64_t batch = cu_num_draft_tokens.size(0);
+  const int64_t vocab = target_probs.size(1);
+  TORCH_CHECK(max_spec_len >= 0, "rejection_sample: max_spec_len must be >= 0");
+  TORCH_CHECK(vocab > 0 || batch == 0, "rejection_sample: empty vocabulary");
+  const int64_t rows = num_tokens + (bonus_token_ids ? 0 : batch);
+  TORCH_CHECK(target_probs.size(0) == rows, "rejection_sample: target_probs must have ",
+              rows, " rows (one per draft token", bonus_token_ids ? "" : " plus one per request",
+              "), got ", target_probs.size(0));
+  if (draft_probs) {
+    check(*draft_probs, "draft_probs", at::kFloat, 2);
+    TORCH_CHECK(draft_probs->size(0) == num_tokens && draft_probs->size(1) == vocab,
+                "rejection_sample: draft_probs must be [", num_tokens, ", ", vocab, "]");
+  }
+  if (bonus_token_ids) {
+    check(*bonus_token_ids, "bonus_token_ids", at::kInt, 1);
+    TORCH_CHECK(bonus_token_ids->size(0) == batch,
+                "rejection_sample: bonus_token_ids must have ", batch, " entries");
+  }
+  if (is_greedy) {
+    check(*is_greedy, "is_greedy", at::kBool, 1);
+    TORCH_CHECK(is_greedy->size(0) == batch, "rejection_sample: is_greedy must have ",
+                batch, " entries");
+    TORCH_CHECK(uniforms && exp_noise,
+                "rejection_sample: uniforms and exp_noise are required unless "
+                "is_greedy is None (all rows greedy)");
+    check(*uniforms, "uniforms", at::kDouble, 1);
+    TORCH_CHECK(uniforms->size(0) == num_tokens, "rejection_sample: uniforms must have ",
+                num_tokens, " entries");
+    check(*exp_noise, "exp_noise", at::kFloat, 2);
+    TORCH_CHECK(exp_noise->size(0) == batch && exp_noise->size(1) == vocab,
+                "rejection_sample: exp_noise must be [", batch, ", ", vocab, "]");
+  }
+  return at::empty({batch, max_spec_len + 1}, target_probs.options().dtype(at::kInt));
 }
 
 }  // namespace vllm_dflash

@@ -1,9 +1,9 @@
 // Schemas of the vllm_dflash ops and the Python module entry point.
 //
-// Device implementations register themselves with TORCH_LIBRARY_IMPL in their
-// own files (csrc/cpu/*.cpp for CPU, csrc/cuda_bindings.cpp for CUDA); fake
-// (meta) implementations for torch.compile live in vllm_dflash/ops.py. Other
-// ops add their schemas with TORCH_LIBRARY_FRAGMENT(vllm_dflash, m).
+// Device implementations are registered in one place per device:
+// csrc/cpu_bindings.cpp (CPU) and csrc/cuda_bindings.cpp (CUDA); fake (meta)
+// implementations for torch.compile live in vllm_dflash/ops/native.py, and
+// vllm_dflash/ops/dispatch.py lists every op below (a test checks).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -16,13 +16,13 @@ TORCH_LIBRARY(vllm_dflash, m) {
       "Tensor(a!) out) -> ()");
   // Scatter context K/V [n, H, d] into one layer of vLLM's paged KV cache.
   m.def(
-      "write_context_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "store_context_kv_layer(Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, str layout) -> ()");
   // Context K/V of every draft layer from projected keys/values [n, L, H, d]:
   // per-head RMSNorm of K (the layer's k_norm weight), RoPE at `positions`
   // from vLLM's cos_sin_cache, both written into each layer's paged cache.
   m.def(
-      "context_kv_write(Tensor key, Tensor value, Tensor k_norm_weight, "
+      "store_context_kv_fused(Tensor key, Tensor value, Tensor k_norm_weight, "
       "float eps, Tensor cos_sin_cache, Tensor positions, bool is_neox, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, str layout) -> ()");
   // RMSNorm over the last dim with vLLM's native rounding: fp32 statistics,
@@ -40,6 +40,13 @@ TORCH_LIBRARY(vllm_dflash, m) {
       "(Tensor context_rows, Tensor context_positions, Tensor context_slots, "
       "Tensor input_ids, Tensor positions, Tensor slots, Tensor seq_lens, "
       "Tensor query_start_loc_out)");
+  // Rejection-sampling verifier: accept / recover per request, [B, K + 1]
+  // int32 tokens with -1 after the emitted ones (vllm_dflash/ops/reference.py).
+  m.def(
+      "rejection_sample(Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor target_probs, Tensor? draft_probs, Tensor? bonus_token_ids, "
+      "Tensor? is_greedy, Tensor? uniforms, Tensor? exp_noise, "
+      "int max_spec_len) -> Tensor");
 }
 
 // `import vllm_dflash._C` loads the library (and with it the registrations

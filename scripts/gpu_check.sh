@@ -4,7 +4,7 @@
 #   1. build vllm_dflash._C with CUDA in place (CMake; torch.utils.cpp_extension
 #      if CMake is missing or fails);
 #   2. run tests/ops (every test on cpu and cuda) and the compiled flex-attention training check;
-#   3. microbenchmark gather_hidden_states / write_context_kv at Qwen3-8B sizes
+#   3. microbenchmark gather_hidden_states / store_context_kv_layer at Qwen3-8B sizes
 #      (D=4096, L=5, H=8, d=128, bf16, n=16..4096), native vs torch reference,
 #      each size first checked bit-exact; JSON to $OUT/gpu_check.json if OUT is set.
 # Missing pytest/cmake/ninja are installed offline from .whl/gpu_check/ when present
@@ -82,7 +82,7 @@ fi
 if [ "$built" = 0 ] || ! "$PY" -c '
 import torch, vllm_dflash.ops as ops
 assert ops.HAS_NATIVE, "vllm_dflash._C did not load"
-for op in ("gather_hidden_states", "gather_hidden_states_out", "write_context_kv"):
+for op in ("gather_hidden_states", "gather_hidden_states_out", "store_context_kv_layer"):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"vllm_dflash::{op}", "CUDA"), f"{op} has no CUDA kernel"
 print("native ops loaded with CUDA kernels")'; then
   log "FATAL: build failed"; printf '  %s\n' "${phase_times[@]}"; exit 1
@@ -131,9 +131,9 @@ for n in (16, 64, 256, 1024, 4096):
     hs = [torch.randn(T, D, device=dev, dtype=dtype) for _ in range(L)]
     idx = torch.randperm(T, device=dev)[:n]
     out = torch.empty(n, L * D, device=dev, dtype=dtype)
-    assert bitwise(ops.gather_hidden_states(hs, idx), ops.gather_hidden_states_ref(hs, idx)), n
+    assert bitwise(ops.gather_hidden_states(hs, idx), ops.reference.gather_hidden_states_ref(hs, idx)), n
     g_native = bench(lambda: ops.gather_hidden_states(hs, idx, out=out))
-    g_ref = bench(lambda: ops.gather_hidden_states_ref(hs, idx))
+    g_ref = bench(lambda: ops.reference.gather_hidden_states_ref(hs, idx))
 
     num_blocks = 2 * (n + block_size - 1) // block_size + 8
     # vLLM's default FlashAttention allocation (LBNHC): physically [B, N, H, 2d].
@@ -142,11 +142,11 @@ for n in (16, 64, 256, 1024, 4096):
     key, value = kv[:, 0], kv[:, 1]
     slots = torch.randperm(num_blocks * block_size, device=dev)[:n]
     a, b = cache.clone(), cache.clone()
-    ops.write_context_kv(key, value, a, slots, "flash")
-    ops.write_context_kv_ref(key, value, b, slots, "flash")
+    ops.store_context_kv_layer(key, value, a, slots, "flash")
+    ops.reference.store_context_kv_layer_ref(key, value, b, slots, "flash")
     assert bitwise(a, b), n
-    w_native = bench(lambda: ops.write_context_kv(key, value, cache, slots, "flash"))
-    w_ref = bench(lambda: ops.write_context_kv_ref(key, value, cache, slots, "flash"))
+    w_native = bench(lambda: ops.store_context_kv_layer(key, value, cache, slots, "flash"))
+    w_ref = bench(lambda: ops.reference.store_context_kv_layer_ref(key, value, cache, slots, "flash"))
 
     g_bytes, w_bytes = 2 * n * L * D * 2, 2 * 2 * n * H * d * 2  # read + write
     rows.append(dict(n=n, gather_native_us=g_native, gather_ref_us=g_ref,

@@ -1,4 +1,4 @@
-"""write_context_kv writes the bytes vLLM 0.32's own attention backends write.
+"""store_context_kv_layer writes the bytes vLLM 0.32's own attention backends write.
 
 - layout="cpu": the same cache bytes as CPUAttentionBackendImpl.do_kv_cache_update
   (cpu_attn.py -> torch.ops._C.cpu_attn_reshape_and_cache) with the ISA vLLM's
@@ -95,7 +95,7 @@ def test_cpu_layout_matches_vllm_on_this_machine(dtype, block_size, head_size):
     _vllm_cpu_write(key, value, cache, slots, isa)
     vllm_bytes = raw.clone()
     assert not torch.equal(vllm_bytes, start)
-    for write in (ops.write_context_kv, ops.write_context_kv_ref):
+    for write in (ops.store_context_kv_layer, ops.reference.store_context_kv_layer_ref):
         raw[:] = start
         write(key, value, cache, slots, "cpu")
         assert torch.equal(raw, vllm_bytes), write.__name__
@@ -117,7 +117,7 @@ def _isa_missing_here(isa: str) -> str | None:
 
 def _stated_layout_bytes(raw, cache, key, value, slots, isa):
     """The cache bytes after writing key/value at slots, placed element by
-    element from the layout as written in ops.write_context_kv's docstring,
+    element from the layout as written in ops.store_context_kv_layer's docstring,
     independent of the kernel, the torch reference and vLLM."""
     expected = raw.clone()
     num_blocks, num_heads, block_size, two_d = cache.shape
@@ -149,7 +149,7 @@ def test_each_x86_isa_packing_matches_the_stated_layout(isa, dtype):
     start = raw.clone()
     expected = _stated_layout_bytes(raw, cache, key, value, slots, isa)
     assert not torch.equal(expected, start)
-    for write in (ops.write_context_kv, ops.write_context_kv_ref):
+    for write in (ops.store_context_kv_layer, ops.reference.store_context_kv_layer_ref):
         raw[:] = start
         write(key, value, cache, slots, ISA_TO_LAYOUT[isa])
         assert torch.equal(raw, expected), write.__name__
@@ -165,7 +165,7 @@ def test_each_x86_isa_packing_matches_vllm(isa, dtype):
     start = raw.clone()
     _vllm_cpu_write(key, value, cache, slots, isa)
     vllm_bytes = raw.clone()
-    for write in (ops.write_context_kv, ops.write_context_kv_ref):
+    for write in (ops.store_context_kv_layer, ops.reference.store_context_kv_layer_ref):
         raw[:] = start
         write(key, value, cache, slots, ISA_TO_LAYOUT[isa])
         assert torch.equal(raw, vllm_bytes), write.__name__
@@ -205,7 +205,7 @@ def test_flash_layout_matches_flash_attn_view(layout, dtype, monkeypatch):
     impl.do_kv_cache_update(layer, key, value, caches[1], slots)
     vllm_bytes = raw.clone()
     assert not torch.equal(vllm_bytes, start)
-    for write in (ops.write_context_kv, ops.write_context_kv_ref):
+    for write in (ops.store_context_kv_layer, ops.reference.store_context_kv_layer_ref):
         raw[:] = start
         write(key, value, caches[1], slots, "flash")
         assert torch.equal(raw, vllm_bytes), write.__name__  # other layers untouched too

@@ -4,13 +4,13 @@
 // torch.cat([h[indices] for h in hidden_states], dim=-1) for every dtype.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "../ops_common.h"
+#include "ops.h"
 
 namespace vllm_dflash {
 namespace {
@@ -75,6 +75,8 @@ void gather_into(at::TensorList hidden_states, const at::Tensor& indices,
   }
 }
 
+}  // namespace
+
 at::Tensor gather_hidden_states_cpu(at::TensorList hidden_states,
                                     const at::Tensor& indices) {
   const GatherShape s = check_gather_inputs(hidden_states, indices);
@@ -91,10 +93,4 @@ void gather_hidden_states_out_cpu(at::TensorList hidden_states,
   gather_into(hidden_states, indices, out, s);
 }
 
-}  // namespace
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("gather_hidden_states", &vllm_dflash::gather_hidden_states_cpu);
-  m.impl("gather_hidden_states_out", &vllm_dflash::gather_hidden_states_out_cpu);
-}

@@ -1,5 +1,5 @@
 // Placement of one token's K/V head in one page of vLLM's paged KV cache, for
-// every layout write_context_kv and context_kv_write understand. A page is
+// every layout store_context_kv_layer and store_context_kv_fused understand. A page is
 // the [block_size, 2*head_size] slab of one (block, KV head):
 //   flash   : page[o, 0:d] = K, page[o, d:2d] = V (token stride `token_stride`)
 //   cpu_vec : K part (first N*d elements) is [d, N] (column per token),

@@ -16,7 +16,6 @@
 //     (block index clamped to the table width, as vLLM's kernel does);
 //   seq_lens[r] = p_r + k + 1 and query_start_loc_out[r] = r*(k+1).
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -24,12 +23,10 @@
 #include <vector>
 
 #include "../ops_common.h"
+#include "ops.h"
 
 namespace vllm_dflash {
 namespace {
-
-using PrepareOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 int64_t read_index(const at::Tensor& t, int64_t i) {
   return t.scalar_type() == at::kLong ? t.const_data_ptr<int64_t>()[i]
@@ -44,7 +41,9 @@ int64_t block_start(const int64_t* tpos, int64_t first, int64_t verified_end,
   return first < num_rows ? tpos[first] : 0;
 }
 
-PrepareOut prepare_dflash_inputs_cpu(
+}  // namespace
+
+PrepareDFlashInputsOut prepare_dflash_inputs_cpu(
     const at::Tensor& query_start_loc, const std::optional<at::Tensor>& num_rejected,
     const at::Tensor& target_positions, const at::Tensor& slot_mapping,
     const at::Tensor& next_token_ids, const at::Tensor& block_table,
@@ -138,9 +137,4 @@ PrepareOut prepare_dflash_inputs_cpu(
   return {ctx_rows, ctx_pos, ctx_slots, ids, qpos, qslots, seq_lens, qsl_out};
 }
 
-}  // namespace
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("prepare_dflash_inputs", &vllm_dflash::prepare_dflash_inputs_cpu);
-}

@@ -7,12 +7,12 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "../ops_common.h"
+#include "ops.h"
 
 namespace vllm_dflash {
 namespace {
@@ -39,6 +39,8 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t 
   });
 }
 
+}  // namespace
+
 at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps) {
   check_rms_norm_inputs(input, weight);
   const at::Tensor x = input.contiguous();
@@ -64,9 +66,4 @@ at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, doubl
   return out;
 }
 
-}  // namespace
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("rms_norm", &vllm_dflash::rms_norm_cpu);
-}

@@ -44,11 +44,11 @@ cudaError_t launch_write_kv_flash(const WriteKVFlashArgs& args,
                                   cudaStream_t stream);
 
 
-// context_kv_write on the FlashAttention layout: per (token i, layer l, head
+// store_context_kv_fused on the FlashAttention layout: per (token i, layer l, head
 // h) with slot_mapping[i] >= 0, K = RoPE(RMSNorm(key[i, l, h]) * w[l]) at
 // positions[i], written with V = value[i, l, h] to caches[l][b, h, o].
 // Element strides; dtype / cache_dtype: 0 float32, 1 float16, 2 bfloat16.
-struct ContextKVWriteArgs {
+struct StoreContextKVFusedArgs {
   const void* key;
   const void* value;
   int64_t key_stride[3];    // token, layer, head
@@ -69,7 +69,7 @@ struct ContextKVWriteArgs {
   int cos_sin_dtype;
 };
 
-cudaError_t launch_context_kv_write(const ContextKVWriteArgs& args,
+cudaError_t launch_store_context_kv_fused(const StoreContextKVFusedArgs& args,
                                     cudaStream_t stream);
 
 // prepare_dflash_inputs without compaction (see csrc/cpu/prepare_dflash_inputs.cpp
@@ -103,5 +103,25 @@ cudaError_t launch_prepare_dflash_inputs(const PrepareInputsArgs& args,
 // dtype: 0 float32, 1 float16, 2 bfloat16 (input, weight and out alike).
 cudaError_t launch_rms_norm(const void* x, const void* weight, void* out, int64_t rows,
                             int64_t d, float eps, int dtype, cudaStream_t stream);
+
+// Rejection-sampling verifier (semantics: vllm_dflash/ops/reference.py), one
+// thread block per request. Device pointers to contiguous arrays; optional
+// ones may be null:
+// out:             [batch, max_spec_len + 1] int32 (every slot written, -1 = placeholder)
+// draft_token_ids: [num_tokens] int32
+// cu_num_draft:    [batch] int32, inclusive cumulative draft counts
+// target_probs:    [num_tokens + batch, vocab] float32 if bonus_token_ids is null
+//                  (request b owns n_b + 1 rows), else [num_tokens, vocab]
+// draft_probs:     [num_tokens, vocab] float32 or null (point-mass drafts)
+// bonus_token_ids: [batch] int32 or null (sample the bonus from the last row)
+// is_greedy:       [batch] bool or null (every row greedy; uniforms/exp_noise unused)
+// uniforms:        [num_tokens] float64 in [0, 1)
+// exp_noise:       [batch, vocab] float32 Exp(1) draws
+cudaError_t launch_rejection_sample(
+    int32_t* out, const int32_t* draft_token_ids, const int32_t* cu_num_draft,
+    const float* target_probs, const float* draft_probs,
+    const int32_t* bonus_token_ids, const bool* is_greedy,
+    const double* uniforms, const float* exp_noise, int64_t batch,
+    int64_t vocab, int64_t max_spec_len, cudaStream_t stream);
 
 }  // namespace vllm_dflash::cuda

@@ -1,20 +1,21 @@
 // Rejection-sampling verifier on CUDA: one thread block per request.
 //
-// Same semantics as vllm_dflash/verifier/reference.py (and the CPU kernel);
-// the tests check all three agree bit for bit. The block walks the request's
-// draft positions in order: sampled rows need one scalar test per position,
-// greedy rows one block-wide argmax; the first rejection (or the bonus) costs
-// one block-wide exponential race over the vocabulary. Every decision is
-// uniform across the block, so all threads follow the same control flow.
-// Arithmetic uses explicit round-to-nearest intrinsics so that --use_fast_math
-// cannot change results.
+// Same semantics as vllm_dflash/ops/reference.py (and the CPU kernel); the
+// tests check all three agree bit for bit. The accept loop of a row is
+// csrc/rejection_row.h, shared with the CPU kernel; this file supplies its
+// block-wide reductions. The block walks the request's draft positions in
+// order: sampled rows need one scalar test per position, greedy rows one
+// block-wide argmax; the first rejection (or the bonus) costs one block-wide
+// exponential race over the vocabulary. Every decision is uniform across the
+// block, so all threads follow the same control flow. Arithmetic uses explicit
+// round-to-nearest intrinsics so that --use_fast_math cannot change results.
 
-#include "rejection_sample.h"
+#include "../rejection_row.h"
+#include "launchers.h"
 
-namespace vllm_dflash {
+namespace vllm_dflash::cuda {
 namespace {
 
-constexpr int32_t kPlaceholder = -1;
 constexpr int kWarpSize = 32;
 
 // A candidate of an argmax; index < 0 means "none". Larger value wins, ties go
@@ -97,61 +98,33 @@ __device__ int64_t block_recover(const float* p, const float* q, int64_t removed
   return token >= 0 ? token : block_argmax<kThreads>(p, vocab, shared);
 }
 
+// The CUDA side of rejection_row.h: every thread of the block runs the loop;
+// reductions are block-wide and hand their result to all threads.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) rejection_sample_kernel(
-    int32_t* __restrict__ out, const int32_t* __restrict__ drafts,
-    const int32_t* __restrict__ cu, const float* __restrict__ target,
-    const float* __restrict__ draft_probs, const int32_t* __restrict__ bonus,
-    const bool* __restrict__ is_greedy, const double* __restrict__ uniforms,
-    const float* __restrict__ exp_noise, int64_t vocab, int64_t max_spec_len) {
+struct CudaBlock {
+  Best* shared;
+  __device__ int64_t argmax(const float* row, int64_t vocab) {
+    return block_argmax<kThreads>(row, vocab, shared);
+  }
+  __device__ int64_t recover(const float* p, const float* q, int64_t removed, const float* noise,
+                             int64_t vocab) {
+    return block_recover<kThreads>(p, q, removed, noise, vocab, shared);
+  }
+  static __device__ double mul(double u, double q) { return __dmul_rn(u, q); }
+  __device__ int64_t first_lane() const { return threadIdx.x; }
+  __device__ int64_t lane_stride() const { return kThreads; }
+};
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionArgs args,
+                                                                   const int32_t* __restrict__ cu) {
   __shared__ Best shared[kThreads / kWarpSize + 1];
   const int64_t b = blockIdx.x;
   const int64_t start = b == 0 ? 0 : cu[b - 1];
   // Clamp so a malformed cu (unchecked on device) cannot write out of bounds.
-  const int64_t num_drafts = min(max(static_cast<int64_t>(cu[b]) - start, int64_t{0}), max_spec_len);
-  const bool greedy = is_greedy == nullptr || is_greedy[b];
-  const int64_t row_offset = bonus == nullptr ? b : 0;
-  const float* noise = exp_noise != nullptr ? exp_noise + b * vocab : nullptr;
-
-  int64_t accepted = 0;
-  int64_t final_token = -1;
-  for (; accepted < num_drafts; ++accepted) {
-    const int64_t t = start + accepted;
-    const float* p = target + (t + row_offset) * vocab;
-    const int64_t x = drafts[t];
-    const bool in_vocab = x >= 0 && x < vocab;
-    if (greedy) {
-      const int64_t top = block_argmax<kThreads>(p, vocab, shared);
-      if (x != top) {
-        final_token = top;
-        break;
-      }
-      continue;
-    }
-    const double q_x = draft_probs == nullptr
-                           ? 1.0
-                           : (in_vocab ? static_cast<double>(draft_probs[t * vocab + x]) : 0.0);
-    if (in_vocab && __dmul_rn(uniforms[t], q_x) < static_cast<double>(p[x])) continue;
-    const float* q = (in_vocab && draft_probs != nullptr) ? draft_probs + t * vocab : nullptr;
-    const int64_t removed = (in_vocab && draft_probs == nullptr) ? x : -1;
-    final_token = block_recover<kThreads>(p, q, removed, noise, vocab, shared);
-    break;
-  }
-  if (accepted == num_drafts) {
-    if (bonus != nullptr) {
-      final_token = bonus[b];
-    } else {
-      const float* p = target + (start + num_drafts + row_offset) * vocab;
-      final_token = greedy ? block_argmax<kThreads>(p, vocab, shared)
-                           : block_recover<kThreads>(p, nullptr, -1, noise, vocab, shared);
-    }
-  }
-  int32_t* out_row = out + b * (max_spec_len + 1);
-  for (int64_t j = threadIdx.x; j <= max_spec_len; j += kThreads) {
-    out_row[j] = j < accepted    ? drafts[start + j]
-                 : j == accepted ? static_cast<int32_t>(final_token)
-                                 : kPlaceholder;
-  }
+  const int64_t num_drafts = min(max(static_cast<int64_t>(cu[b]) - start, int64_t{0}), args.max_spec_len);
+  CudaBlock<kThreads> block{shared};
+  rejection_sample_row(block, args, b, start, num_drafts);
 }
 
 }  // namespace
@@ -164,17 +137,15 @@ cudaError_t launch_rejection_sample(
     int64_t vocab, int64_t max_spec_len, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(batch));
+  RejectionArgs args{out, draft_token_ids, target_probs, draft_probs, bonus_token_ids,
+                     is_greedy, uniforms, exp_noise, vocab, max_spec_len};
   // Large vocabularies: more threads per row-wide reduction.
   if (vocab >= 16384) {
-    rejection_sample_kernel<1024><<<grid, 1024, 0, stream>>>(
-        out, draft_token_ids, cu_num_draft, target_probs, draft_probs, bonus_token_ids,
-        is_greedy, uniforms, exp_noise, vocab, max_spec_len);
+    rejection_sample_kernel<1024><<<grid, 1024, 0, stream>>>(args, cu_num_draft);
   } else {
-    rejection_sample_kernel<256><<<grid, 256, 0, stream>>>(
-        out, draft_token_ids, cu_num_draft, target_probs, draft_probs, bonus_token_ids,
-        is_greedy, uniforms, exp_noise, vocab, max_spec_len);
+    rejection_sample_kernel<256><<<grid, 256, 0, stream>>>(args, cu_num_draft);
   }
   return cudaGetLastError();
 }
 
-}  // namespace vllm_dflash
+}  // namespace vllm_dflash::cuda

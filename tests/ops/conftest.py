@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from vllm_dflash import ops
+from vllm_dflash import envs, ops
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -28,7 +28,7 @@ def device(request) -> str:
 def native() -> None:
     if not ops.HAS_NATIVE:
         pytest.fail("vllm_dflash._C is not built: run `pip install --no-build-isolation --no-deps -e .`")
-    if not ops.USE_NATIVE:
+    if not envs.VLLM_DFLASH_NATIVE_OPS:
         pytest.fail("VLLM_DFLASH_NATIVE_OPS=0 is set: the native ops would not be tested")
 
 

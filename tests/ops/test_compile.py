@@ -24,7 +24,7 @@ def _inputs(device, n):
 
 def _step(hs, idx, key, value, cache, slots, layout):
     ctx = ops.gather_hidden_states(hs, idx)
-    ops.write_context_kv(key, value, cache, slots, layout)
+    ops.store_context_kv_layer(key, value, cache, slots, layout)
     return ctx
 
 
@@ -35,8 +35,8 @@ def test_fullgraph_compile_matches_eager(device, bitwise_equal):
     for n in (5, 9):  # a second size reuses the dynamic graph through the fake impls
         hs, idx, key, value, cache, slots = _inputs(device, n)
         cache_eager = cache.clone()
-        expected = ops.gather_hidden_states_ref(hs, idx)
-        ops.write_context_kv_ref(key, value, cache_eager, slots, layout)
+        expected = ops.reference.gather_hidden_states_ref(hs, idx)
+        ops.reference.store_context_kv_layer_ref(key, value, cache_eager, slots, layout)
 
         got = compiled(hs, idx, key, value, cache, slots, layout)
 
@@ -52,8 +52,8 @@ def test_opcheck_gather_hidden_states(device):
 
 
 @pytest.mark.parametrize("layout", ["flash", "cpu"])
-def test_opcheck_write_context_kv(device, layout):
+def test_opcheck_store_context_kv_layer(device, layout):
     if device == "cuda" and layout == "cpu":
         pytest.skip("vLLM's CPU layout exists on CPU only")
     _, _, key, value, cache, slots = _inputs(device, 7)
-    torch.library.opcheck(torch.ops.vllm_dflash.write_context_kv.default, (key, value, cache, slots, layout))
+    torch.library.opcheck(torch.ops.vllm_dflash.store_context_kv_layer.default, (key, value, cache, slots, layout))

@@ -1,5 +1,5 @@
 """prepare_dflash_inputs: native CPU/CUDA kernels against the torch reference
-(`ops.prepare_dflash_inputs_ref`, equal element for element) and hand-computed values."""
+(`ops.reference.prepare_dflash_inputs_ref`, equal element for element) and hand-computed values."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ BLOCK, K, MASK = 4, 3, 99
 
 def _both(device, *args, **kwargs):
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    return ops.prepare_dflash_inputs(*args, **kwargs), ops.prepare_dflash_inputs_ref(*args, **kwargs)
+    return ops.prepare_dflash_inputs(*args, **kwargs), ops.reference.prepare_dflash_inputs_ref(*args, **kwargs)
 
 
 def _assert_same(native: ops.DFlashStepInputs, ref: ops.DFlashStepInputs) -> None:

@@ -25,7 +25,8 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_dflash.verifier import reference, rejection_sample, sample_drafts, verify
+from vllm_dflash.ops import reference
+from vllm_dflash.verifier import rejection_sample, sample_drafts, verify
 
 V = 8
 K = 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_dflash.ops.reference import rejection_sample_ref
 from vllm_dflash.verifier import draw_noise, rejection_sample, sample_drafts, verify
-from vllm_dflash.verifier.reference import rejection_sample_reference
 from vllm_dflash.verifier.sampling_params import apply_top_k_top_p, process_logits
 
 NEG = -1
@@ -24,7 +24,7 @@ def test_greedy_hand_example():
     # req 1: drafts [3], target argmax [3 | bonus 2] -> accept 3, bonus 2
     # req 2: no drafts, bonus argmax 1
     target = onehot_rows([2, 1, 0, 3, 3, 2, 1], vocab=4)
-    out = rejection_sample_reference(
+    out = rejection_sample_ref(
         torch.tensor([2, 1, 3, 3], dtype=torch.int32), torch.tensor([3, 4, 4], dtype=torch.int32),
         target, None, None, None, None, None, max_spec_len=3)
     assert out.dtype == torch.int32
@@ -34,19 +34,19 @@ def test_greedy_hand_example():
 def test_greedy_external_bonus_and_ties():
     # Ties go to the lowest index, like torch.argmax; the caller's bonus is used when all accept.
     target = torch.tensor([[0.4, 0.4, 0.2], [0.1, 0.3, 0.6]])
-    out = rejection_sample_reference(
+    out = rejection_sample_ref(
         torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
         target, None, torch.tensor([7, 8], dtype=torch.int32), None, None, None, max_spec_len=2)
     assert out.tolist() == [[0, 7, NEG], [2, 8, NEG]]
     target[0] = torch.tensor([0.2, 0.4, 0.4])
-    out = rejection_sample_reference(
+    out = rejection_sample_ref(
         torch.tensor([2], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
         target[:1], None, torch.tensor([7], dtype=torch.int32), None, None, None, max_spec_len=1)
     assert out.tolist() == [[1, NEG]]
 
 
 def sampled_call(draft, target, q, u, noise, bonus=None):
-    return rejection_sample_reference(
+    return rejection_sample_ref(
         torch.tensor(draft, dtype=torch.int32), torch.tensor([len(draft)], dtype=torch.int32),
         torch.tensor(target), None if q is None else torch.tensor(q), bonus,
         torch.tensor([False]), torch.tensor(u, dtype=torch.float64), torch.tensor([noise]),
@@ -88,7 +88,7 @@ def test_mixed_batch_greedy_and_sampled_rows():
     # Row 0 greedy (draft 1 matches argmax 1, then rejects), row 1 sampled point mass with u = 0.
     target = torch.tensor([[0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.3, 0.3, 0.4],
                            [0.2, 0.7, 0.1], [0.1, 0.1, 0.8]])
-    out = rejection_sample_reference(
+    out = rejection_sample_ref(
         torch.tensor([1, 2, 1], dtype=torch.int32), torch.tensor([2, 3], dtype=torch.int32), target,
         None, None, torch.tensor([True, False]), torch.tensor([0.9, 0.9, 0.0], dtype=torch.float64),
         torch.ones(2, 3), max_spec_len=2)

@@ -56,7 +56,7 @@ STACKED_PARAMS = (
 # Tensors a z-lab draft may ship but never uses here: embedding and LM head are the target's.
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
 
-# vLLM attention backend name -> KV cache layout understood by ops.write_context_kv.
+# vLLM attention backend name -> KV cache layout understood by ops.store_context_kv_layer.
 CACHE_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "flash"}
 
 
@@ -92,7 +92,7 @@ def _rope_keys(rope: nn.Module, positions: torch.Tensor, keys: torch.Tensor) -> 
 def _is_table_rope(rope: nn.Module) -> bool:
     """True for vLLM's RotaryEmbedding and the subclasses that only change its
     cos_sin_cache (Llama3, YaRN, linear/NTK scaling): their rotation is a
-    plain cos_sin_cache lookup, which ops.context_kv_write does itself."""
+    plain cos_sin_cache lookup, which ops.store_context_kv_fused does itself."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     cls = type(rope)
@@ -168,14 +168,14 @@ class DFlashAttention(nn.Module):
         return self.qkv_proj(context)[0][:, self.q_size :]
 
     def cache_layout(self) -> str | None:
-        """ops.write_context_kv layout of this layer's cache; None for other backends."""
+        """ops.store_context_kv_layer layout of this layer's cache; None for other backends."""
         return CACHE_LAYOUTS.get(self.attn.get_attn_backend().get_name())
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V at `slot_mapping` (-1 = skip) in this layer's paged cache."""
         layout = self.cache_layout()
         if layout is not None:
-            ops.write_context_kv(key, value, self.attn.kv_cache, slot_mapping, layout)
+            ops.store_context_kv_layer(key, value, self.attn.kv_cache, slot_mapping, layout)
             return
         # Any other backend: its own cache writer (it skips negative slots).
         self.attn.impl.do_kv_cache_update(self.attn, key, value, self.attn.kv_cache, slot_mapping)
@@ -305,7 +305,7 @@ class DFlashModel(nn.Module):
         """Keys and values of context tokens in every layer, [n, L, H_kv, d]
         each, from `project_context_kv`'s output: k_norm with the layers'
         stacked weights, RoPE at the tokens' positions, in torch (the fused
-        native version is ops.context_kv_write)."""
+        native version is ops.store_context_kv_fused)."""
         attn = self.layers[0].self_attn
         n, num_layers = kv.shape[0], kv.shape[1]
         k, v = kv[:, :, 0], kv[:, :, 1]
@@ -324,7 +324,7 @@ class DFlashModel(nn.Module):
         return self.norm_rope_context_kv(self.project_context_kv(target_features), positions)
 
     def fused_context_kv_layout(self, kv_caches: list[torch.Tensor], dtype: torch.dtype) -> str | None:
-        """The cache layout when ops.context_kv_write can do k_norm + RoPE +
+        """The cache layout when ops.store_context_kv_fused can do k_norm + RoPE +
         store of all layers in one call (same backend and cache spec in every
         layer, table RoPE, unquantized cache in the model dtype), else None."""
         attns = [layer.self_attn for layer in self.layers]
@@ -372,7 +372,7 @@ class DFlashDraftForCausalLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), start_layer_id=self.start_layer_id
         )
         self.lm_head: nn.Module | None = None  # the target's, set by the proposer
-        # (first layer's cache, dtype, ops.context_kv_write arguments or None):
+        # (first layer's cache, dtype, ops.store_context_kv_fused arguments or None):
         # see _fused_context_kv.
         self._fused_plan: tuple | None = None
         self.logits_processor = LogitsProcessor(self.config.vocab_size, scale=getattr(self.config, "logit_scale", 1.0))
@@ -403,7 +403,7 @@ class DFlashDraftForCausalLM(nn.Module):
         computes, for memory profiling).
 
         Per step this is four native calls: the fc GEMM, ops.rms_norm
-        (hidden_norm), the K/V GEMM of all layers, then ops.context_kv_write
+        (hidden_norm), the K/V GEMM of all layers, then ops.store_context_kv_fused
         for k_norm, RoPE and the cache stores of all layers. Backends or RoPE
         variants the fused op does not cover take the torch path
         (`norm_rope_context_kv` + per-layer `write_kv`)."""
@@ -414,7 +414,7 @@ class DFlashDraftForCausalLM(nn.Module):
             if fused is not None:
                 caches, layout, eps, cos_sin_cache, is_neox = fused
                 key, value = kv.unbind(2)
-                ops.context_kv_write(
+                ops.store_context_kv_fused(
                     key, value, model.k_norm_weight, eps, cos_sin_cache, positions, is_neox, caches, slot_mapping,
                     layout,
                 )  # fmt: skip
@@ -427,7 +427,7 @@ class DFlashDraftForCausalLM(nn.Module):
 
     def _fused_context_kv(self, kv: torch.Tensor) -> tuple | None:
         """(caches, layout, k_norm eps, cos_sin_cache, neox) for
-        ops.context_kv_write, or None for the unfused path. Decided once (the
+        ops.store_context_kv_fused, or None for the unfused path. Decided once (the
         cos/sin table is a constant), again when vLLM re-binds the caches."""
         first = self.model.layers[0].self_attn
         plan = self._fused_plan

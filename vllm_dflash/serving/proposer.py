@@ -147,7 +147,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         (rejected drafts included). Per step: `ops.prepare_dflash_inputs`
         (context rows/positions/slots, the query block's ids/positions/slots
         and lengths), `ops.gather_hidden_states` when some rows were rejected
-        (CPU), `store_context_kv` (fc and K/V GEMMs + `ops.context_kv_write`),
+        (CPU), `store_context_kv` (fc and K/V GEMMs + `ops.store_context_kv_fused`),
         then vLLM's attention metadata and the query-block forward.
         """
         self.num_speculative_tokens = k = num_speculative_tokens

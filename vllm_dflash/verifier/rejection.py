@@ -1,9 +1,9 @@
-"""Entry points of the verifier: argument checks, noise, and native-or-reference dispatch.
+"""Entry points of the verifier: argument checks, noise, and the accept / recover op.
 
-`rejection_sample` runs `torch.ops.vllm_dflash.rejection_sample` (C++/OpenMP on
-CPU, CUDA on GPU) when the extension provides it for the tensors' device, and
-the pure-torch reference otherwise; both give identical tokens for the same
-noise. `draw_noise` makes that noise the way vLLM does, from each request's
+`rejection_sample` checks and casts its arguments, then runs
+`vllm_dflash.ops.rejection_sample` (C++/OpenMP on CPU, CUDA on GPU, the
+pure-torch reference where the ops' dispatch policy says so); all give
+identical tokens for the same noise. `draw_noise` makes that noise the way vLLM does, from each request's
 seeded generator when it has one. `verify` chains logits processing, noise and
 rejection sampling for callers outside vLLM (tests, benchmarks).
 """
@@ -15,25 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
+from vllm_dflash import ops
+from vllm_dflash.ops import dispatch, reference
 from vllm_dflash.verifier import sampling_params
-from vllm_dflash.verifier.reference import rejection_sample_reference
 
 IMPLS = ("auto", "native", "reference")
-
-
-@functools.lru_cache(maxsize=None)
-def native_available(device_type: str) -> bool:
-    """True when torch.ops.vllm_dflash.rejection_sample has a kernel for this device type."""
-    try:
-        import vllm_dflash.ops  # noqa: F401  (loads vllm_dflash._C when built)
-    except Exception:  # the extension is optional: the reference covers every case
-        pass
-    try:
-        torch.ops.vllm_dflash.rejection_sample
-    except (AttributeError, RuntimeError):
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        "vllm_dflash::rejection_sample", device_type.upper())
 
 
 def _need(cond: bool, field: str, message: str) -> None:
@@ -94,9 +80,10 @@ def rejection_sample(
 ) -> torch.Tensor:
     """Verify draft tokens; [B, max_spec_len + 1] int32 with -1 after the emitted tokens.
 
-    Semantics and argument layout: `vllm_dflash.verifier.reference`. Inputs are
-    cast to the op's dtypes (int32 ids, float32 probabilities, float64 uniforms).
-    impl: "auto" (native when available), "native" (raise if missing), "reference".
+    Semantics and argument layout: `vllm_dflash.ops.reference.rejection_sample_ref`.
+    Inputs are cast to the op's dtypes (int32 ids, float32 probabilities,
+    float64 uniforms). impl: "auto" (the ops' dispatch policy), "native" (raise
+    if the kernel is missing), "reference".
     """
     _need(impl in IMPLS, "impl", f"must be one of {IMPLS}, got {impl!r}")
     if max_spec_len is None:
@@ -116,12 +103,14 @@ def rejection_sample(
         int(max_spec_len),
     )
     device_type = target_probs.device.type
-    if impl == "native" and not native_available(device_type):
-        raise ValueError(f"rejection_sample: impl='native' but vllm_dflash._C has no {device_type} kernel; "
-                         "build it with `pip install --no-build-isolation -e .` or use impl='auto'")
-    if impl != "reference" and native_available(device_type):
+    if impl == "reference":
+        return reference.rejection_sample_ref(*args)
+    if impl == "native":
+        if not dispatch.has_kernel("rejection_sample", device_type):
+            raise ValueError(f"rejection_sample: impl='native' but vllm_dflash._C has no {device_type} kernel; "
+                             "build it with `pip install --no-build-isolation -e .` or use impl='auto'")
         return torch.ops.vllm_dflash.rejection_sample(*args)
-    return rejection_sample_reference(*args)
+    return ops.rejection_sample(*args)
 
 
 def draw_noise(

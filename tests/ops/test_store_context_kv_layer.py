@@ -1,4 +1,4 @@
-"""write_context_kv: native CPU/CUDA kernels against the torch reference, bit for bit.
+"""store_context_kv_layer: native CPU/CUDA kernels against the torch reference, bit for bit.
 
 That the layouts are vLLM's own is proven against vLLM in tests/test_kv_layout_vllm.py.
 """
@@ -41,8 +41,8 @@ def _slots(n, capacity, gen):
 
 def _run_both(key, value, cache, slots, layout):
     native, ref = cache.clone(), cache.clone()
-    ops.write_context_kv(key, value, native, slots, layout)
-    ops.write_context_kv_ref(key, value, ref, slots, layout)
+    ops.store_context_kv_layer(key, value, native, slots, layout)
+    ops.reference.store_context_kv_layer_ref(key, value, ref, slots, layout)
     return native, ref
 
 
@@ -99,8 +99,8 @@ def test_flash_layout_in_block_outermost_multi_layer_buffer(device, bitwise_equa
     before = buf.clone()
 
     ref = layer.clone()
-    ops.write_context_kv_ref(key, value, ref, slots, "flash")
-    ops.write_context_kv(key, value, layer, slots, "flash")
+    ops.reference.store_context_kv_layer_ref(key, value, ref, slots, "flash")
+    ops.store_context_kv_layer(key, value, layer, slots, "flash")
 
     bitwise_equal(layer, ref)
     bitwise_equal(buf[:, 0], before[:, 0])
@@ -114,7 +114,7 @@ def test_empty_and_all_skipped_slots_leave_cache_untouched(device, layout, bitwi
     key, value = _qkv_views(4, 2, 64, torch.bfloat16, device, gen)
     for slots in (torch.empty(0, dtype=torch.int64), torch.full((4,), -1)):
         out = cache.clone()
-        ops.write_context_kv(key, value, out, slots.to(device), layout)
+        ops.store_context_kv_layer(key, value, out, slots.to(device), layout)
         bitwise_equal(out, cache)
 
 
@@ -131,12 +131,12 @@ def test_cpu_layout_resolves_like_the_reference(dtype, block_size, head_size, bi
     slots = _slots(20, 2 * block_size, gen)
     resolved = ops.resolve_kv_layout("cpu", dtype, block_size, head_size)
     auto, explicit = cache.clone(), cache.clone()
-    ops.write_context_kv(key, value, auto, slots, "cpu")
-    ops.write_context_kv(key, value, explicit, slots, resolved)
+    ops.store_context_kv_layer(key, value, auto, slots, "cpu")
+    ops.store_context_kv_layer(key, value, explicit, slots, resolved)
     bitwise_equal(auto, explicit)
     if resolved == "cpu_amx":  # the two packings differ, so the choice is visible
         vec = cache.clone()
-        ops.write_context_kv(key, value, vec, slots, "cpu_vec")
+        ops.store_context_kv_layer(key, value, vec, slots, "cpu_vec")
         assert not torch.equal(vec, auto)
 
 
@@ -165,7 +165,7 @@ def _error_cases(device):
 
 @pytest.mark.parametrize("impl", ["native", "ref"])
 def test_bad_inputs_raise_value_error(device, impl):
-    write = ops.write_context_kv if impl == "native" else ops.write_context_kv_ref
+    write = ops.store_context_kv_layer if impl == "native" else ops.reference.store_context_kv_layer_ref
     for match, args in _error_cases(device):
         with pytest.raises(ValueError, match=match):
             write(*args)
@@ -179,7 +179,7 @@ def test_out_of_cache_slot_fails_the_cuda_kernel(cuda_script):
         "cache = torch.zeros(2, 2, 16, 64, device='cuda')\n"
         "k = torch.randn(3, 2, 32, device='cuda')\n"
         "try:\n"
-        "    ops.write_context_kv(k, k, cache, torch.tensor([0, 32, 1], device='cuda'), 'flash')\n"
+        "    ops.store_context_kv_layer(k, k, cache, torch.tensor([0, 32, 1], device='cuda'), 'flash')\n"
         "    torch.cuda.synchronize()\n"
         "except RuntimeError as e:\n"
         "    print('CUDA_ERROR', e)\n"
@@ -188,4 +188,4 @@ def test_out_of_cache_slot_fails_the_cuda_kernel(cuda_script):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 3 and "CUDA_ERROR" in output, output
-    assert "vllm_dflash.write_context_kv" in output, output
+    assert "vllm_dflash.store_context_kv_layer" in output, output

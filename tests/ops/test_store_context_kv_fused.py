@@ -1,4 +1,4 @@
-"""context_kv_write (k_norm + RoPE + paged-cache store of every draft layer):
+"""store_context_kv_fused (k_norm + RoPE + paged-cache store of every draft layer):
 native CPU/CUDA kernels against the torch reference, and the reference
 against an independent float64 RMSNorm + rotary embedding.
 
@@ -45,9 +45,9 @@ def caches(num_layers, num_blocks, num_heads, block_size, head_size, dtype, devi
 
 
 def k_mask(key, value, cache, slots, layout):
-    """True where write_context_kv puts K elements of the written rows."""
+    """True where store_context_kv_layer puts K elements of the written rows."""
     mask = torch.zeros_like(cache)
-    ops.write_context_kv_ref(torch.ones_like(key), torch.zeros_like(value), mask, slots, layout)
+    ops.reference.store_context_kv_layer_ref(torch.ones_like(key), torch.zeros_like(value), mask, slots, layout)
     return mask.bool()
 
 
@@ -91,8 +91,8 @@ def test_matches_reference(device, layout, dtype, seed):
     base = caches(num_layers, num_blocks, num_heads, block_size, head_size, dtype, device, gen)
     native, ref = [c.clone() for c in base], [c.clone() for c in base]
 
-    ops.context_kv_write(key, value, weight, EPS, cos_sin, positions, is_neox, native, slots, layout)
-    ops.context_kv_write_ref(key, value, weight, EPS, cos_sin, positions, is_neox, ref, slots, layout)
+    ops.store_context_kv_fused(key, value, weight, EPS, cos_sin, positions, is_neox, native, slots, layout)
+    ops.reference.store_context_kv_fused_ref(key, value, weight, EPS, cos_sin, positions, is_neox, ref, slots, layout)
 
     for layer in range(num_layers):
         mask = k_mask(key[:, layer], value[:, layer], base[layer], slots, layout)
@@ -126,7 +126,7 @@ def test_reference_is_rms_norm_then_rope(is_neox, rot_dim):
     gen = torch.Generator().manual_seed(3)
     key, _, weight = make_inputs(9, 2, 2, 64, torch.float32, "cpu", gen, extra_rows=0)
     positions = torch.randint(0, 64, (9,), generator=gen)
-    got = ops.rms_norm_rope_ref(key, weight, EPS, rope_cache(rot_dim, 2048), positions, is_neox)
+    got = ops.reference.rms_norm_rope_ref(key, weight, EPS, rope_cache(rot_dim, 2048), positions, is_neox)
     want = _independent_norm_rope(key, weight, EPS, positions, rot_dim, is_neox)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -137,7 +137,7 @@ def test_native_fp32_matches_float64_formula():
     positions = torch.randint(0, 64, (6,), generator=gen)
     cache = [torch.zeros(1, 2, 16, 128) for _ in range(2)]
     slots = torch.arange(6)
-    ops.context_kv_write(key, value, weight, EPS, rope_cache(64, 1024), positions, True, cache, slots, "flash")
+    ops.store_context_kv_fused(key, value, weight, EPS, rope_cache(64, 1024), positions, True, cache, slots, "flash")
     want = _independent_norm_rope(key, weight, EPS, positions, 64, True)
     for layer in range(2):
         got_k = cache[layer][0, :, :6, :64].transpose(0, 1)  # [n, H, d]
@@ -153,7 +153,7 @@ def test_skipped_rows_are_not_read(device):
     before = [c.clone() for c in cache]
     slots = torch.full((4,), -1, dtype=torch.int64, device=device)
     positions = torch.full((4,), 10**6, dtype=torch.int64, device=device)
-    ops.context_kv_write(key, value, weight, EPS, rope_cache(32, 64).to(device), positions, True, cache, slots, "flash")
+    ops.store_context_kv_fused(key, value, weight, EPS, rope_cache(32, 64).to(device), positions, True, cache, slots, "flash")
     assert all(torch.equal(a, b) for a, b in zip(cache, before))
 
 
@@ -163,7 +163,7 @@ def test_empty_input(device):
     cache = caches(2, 2, 2, 16, 32, torch.float16, device, gen)
     before = [c.clone() for c in cache]
     empty = torch.empty(0, dtype=torch.int64, device=device)
-    ops.context_kv_write(key, value, weight, EPS, rope_cache(32, 64).to(device), empty, True, cache, empty, "flash")
+    ops.store_context_kv_fused(key, value, weight, EPS, rope_cache(32, 64).to(device), empty, True, cache, empty, "flash")
     assert all(torch.equal(a, b) for a, b in zip(cache, before))
 
 
@@ -176,7 +176,7 @@ def _bad_call(**change):
         slot_mapping=torch.tensor([0, 5, -1, 31]), layout="cpu",
     )  # fmt: skip
     args.update(change)
-    ops.context_kv_write(**args)
+    ops.store_context_kv_fused(**args)
 
 
 @pytest.mark.parametrize(
@@ -205,4 +205,4 @@ def test_opcheck(device):
     slots = torch.tensor([3, -1, 7, 8, 30], device=device)
     args = (key, value, weight, EPS, rope_cache(32, 64).to(device), torch.arange(7, device=device), True, cache, slots,
             "flash")  # fmt: skip
-    torch.library.opcheck(torch.ops.vllm_dflash.context_kv_write.default, args)
+    torch.library.opcheck(torch.ops.vllm_dflash.store_context_kv_fused.default, args)

@@ -3,12 +3,12 @@
 // Layouts: see kv_layout.h. Values are copied bit for bit; negative slots are
 // skipped.
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "../ops_common.h"
+#include "ops.h"
 #include "kv_layout.h"
 
 namespace vllm_dflash {
@@ -42,16 +42,18 @@ void write_kv(const KVShape& s, const at::Tensor& key, const at::Tensor& value,
   });
 }
 
-void write_context_kv_cpu(const at::Tensor& key, const at::Tensor& value,
+}  // namespace
+
+void store_context_kv_layer_cpu(const at::Tensor& key, const at::Tensor& value,
                           at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                           c10::string_view layout) {
   const KVShape s =
-      check_write_context_kv_inputs(key, value, kv_cache, slot_mapping, layout);
+      check_store_context_kv_layer_inputs(key, value, kv_cache, slot_mapping, layout);
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t capacity = s.num_blocks * s.block_size;
   for (int64_t i = 0; i < s.n; ++i) {
-    TORCH_CHECK_VALUE(sp[i] < capacity, "write_context_kv: slot_mapping[", i,
+    TORCH_CHECK_VALUE(sp[i] < capacity, "store_context_kv_layer: slot_mapping[", i,
                       "] = ", sp[i], " is outside the cache (", s.num_blocks,
                       " blocks x ", s.block_size, " = ", capacity, " slots)");
   }
@@ -66,9 +68,4 @@ void write_context_kv_cpu(const at::Tensor& key, const at::Tensor& value,
   }
 }
 
-}  // namespace
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("write_context_kv", &vllm_dflash::write_context_kv_cpu);
-}

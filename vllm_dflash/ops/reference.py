@@ -1,51 +1,40 @@
-"""Native ops of vllm-dflash (``torch.ops.vllm_dflash.*``) with torch fallbacks.
+"""Pure-torch references of the six native ops: their specification.
 
-On the DFlash hot path every step:
+The native kernels (csrc/) match these bit for bit (store_context_kv_fused
+and rms_norm: within rounding, see their docstrings); the tests compare them
+on every device. Every op falls back to its reference when the native one is
+not used (vllm_dflash.ops.dispatch).
 
-- ``prepare_dflash_inputs``: the runner's batch -> context rows/positions/
-  slots and the query block's ids, positions, slots and lengths;
-- ``gather_hidden_states``: target hidden states of the captured layers ->
-  the draft's ``fc`` input ``[n, L*D]``;
-- ``rms_norm``: the draft's ``hidden_norm`` of the context features;
-- ``context_kv_write``: projected context K/V of every draft layer -> k_norm,
-  RoPE and vLLM's paged KV caches in one pass;
-- ``write_context_kv``: context K/V -> one layer's paged KV cache, in the
-  physical layout of the attention backend that will read it.
+rejection_sample, in full. One request row holds n draft tokens x_0..x_{n-1} (n <= max_spec_len) and target
+rows p_0..p_{n-1} (plus p_n for the bonus token unless the caller samples it).
 
-``HAS_NATIVE`` says whether ``vllm_dflash._C`` loaded. Without it (or with
-``VLLM_DFLASH_NATIVE_OPS=0`` in the environment, read once at import; a
-debugging switch) the pure-torch references below are used; they give
-bit-identical results (context_kv_write: within rounding, see its docstring). This module must not import vLLM.
+- Greedy rows accept while x_i == argmax p_i, then emit argmax p_i (or the bonus).
+- Sampled rows accept x_i when u_i * q_i(x_i) < p_i(x_i), i.e. with probability
+  min(1, p_i(x_i) / q_i(x_i)) for u_i ~ U[0, 1) (Leviathan et al. 2023). On the
+  first rejection they emit a sample of normalize(max(0, p_i - q_i)); with no
+  draft probabilities the draft is a point mass, q_i = one-hot(x_i), so the
+  residual is p_i with x_i removed. When all n are accepted the bonus token is a
+  sample of p_n. Draft ids outside [0, vocab) (vLLM pads with -1) are rejected
+  and the emitted token is a sample of p_i.
+- Sampling is the exponential race: with e ~ Exp(1) i.i.d. per vocab entry, the
+  index of max_v r(v) / e_v is distributed as r / sum(r) for any r >= 0 (the
+  Gumbel-max trick in multiplicative form). Entries with r(v) = 0 never win.
+  One noise row per request serves both the recovery and the bonus token: a
+  request emits exactly one of them, so the draws are never reused.
+- Ties go to the lowest index, as torch.argmax does. If rounding leaves an
+  all-zero residual the row falls back to sampling p, then to argmax p.
+
+Everything is elementwise float32 (scores) or float64 (the acceptance test)
+followed by an argmax, so the C++ and CUDA kernels reproduce it exactly.
 """
 
 from __future__ import annotations
 
-import logging
-import platform
 from typing import NamedTuple
 
 import torch
 
-from vllm_dflash import envs
-
-logger = logging.getLogger("vllm_dflash")
-
-HAS_NATIVE = False
-try:
-    from vllm_dflash import _C  # noqa: F401  (registers torch.ops.vllm_dflash.*)
-
-    HAS_NATIVE = True
-except ImportError as e:  # pragma: no cover - exercised only without a build
-    logger.warning(
-        "vllm_dflash._C is not built (%s); using the slower pure-torch ops. "
-        "Build it with `pip install --no-build-isolation --no-deps -e .`.",
-        e,
-    )
-
-USE_NATIVE = HAS_NATIVE and envs.VLLM_DFLASH_NATIVE_OPS
-
-KV_LAYOUTS = ("cpu", "flash", "cpu_vec", "cpu_amx")
-
+from vllm_dflash.ops.kv_layout import resolve_kv_layout
 
 # --------------------------------------------------------------------------
 # gather_hidden_states
@@ -79,55 +68,9 @@ def gather_hidden_states_ref(
     return out
 
 
-def gather_hidden_states(
-    hidden_states: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    indices: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Row ``i`` of the result is ``cat([h[indices[i]] for h in hidden_states])``.
-
-    hidden_states: L tensors ``[T, D]``, one dtype and device; row-strided views
-    (e.g. slices of a larger buffer) are read in place. indices: int32/int64
-    ``[n]`` in ``[0, T)``. Returns a contiguous ``[n, L*D]`` tensor, written into
-    ``out`` when given (e.g. a persistent CUDA-graph buffer). An out-of-range
-    index raises ValueError on CPU; on CUDA it traps the kernel with a printed
-    message (no host sync on the hot path).
-    """
-    if not USE_NATIVE:
-        return gather_hidden_states_ref(hidden_states, indices, out)
-    hidden_states = list(hidden_states)
-    if out is None:
-        return torch.ops.vllm_dflash.gather_hidden_states(hidden_states, indices)
-    torch.ops.vllm_dflash.gather_hidden_states_out(hidden_states, indices, out)
-    return out
-
-
 # --------------------------------------------------------------------------
-# write_context_kv
+# store_context_kv_layer / store_context_kv_fused
 # --------------------------------------------------------------------------
-
-
-def resolve_kv_layout(layout: str, dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """Map ``"cpu"`` to the packing vLLM 0.32 picks on this machine.
-
-    Mirrors ``_get_attn_isa`` in vllm/v1/attention/backends/cpu_attn.py: head
-    sizes that are a multiple of 16 but not of 32 use "vec16", AMX machines use
-    "amx" for bf16 with block_size % 32 == 0, other x86 machines "vec"/"vec16".
-    vec and vec16 pack blocks the same way ("cpu_vec").
-    """
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; use one of {KV_LAYOUTS}")
-    if layout != "cpu":
-        return layout
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise ValueError(
-            f"layout='cpu' is only implemented for x86; vLLM uses another packing on {platform.machine()}"
-        )
-    if head_size % 32 != 0 and head_size % 16 == 0:
-        return "cpu_vec"
-    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and block_size % 32 == 0:
-        return "cpu_amx"
-    return "cpu_vec"
 
 
 def _check_kv_args(key, value, kv_cache, slot_mapping) -> None:
@@ -150,14 +93,14 @@ def _check_kv_args(key, value, kv_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must be 1-D int64 with at most {n} entries, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
 
 
-def write_context_kv_ref(
+def store_context_kv_layer_ref(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     layout: str,
 ) -> None:
-    """Pure-torch ``write_context_kv`` (same layouts, same bytes)."""
+    """Pure-torch ``store_context_kv_layer`` (same layouts, same bytes)."""
     _check_kv_args(key, value, kv_cache, slot_mapping)
     num_blocks, num_heads, block_size, two_d = kv_cache.shape
     d = two_d // 2
@@ -192,55 +135,6 @@ def write_context_kv_ref(
         k_tiles[blk, :, off // 16, :, off % 16, :] = key.reshape(-1, num_heads, d // p, p)
         v_tiles = v_part.view(num_blocks, num_heads, d // 16, block_size // p, 16, p)
         v_tiles[blk, :, :, off // p, :, off % p] = value.reshape(-1, num_heads, d // 16, 16)
-
-
-def write_context_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    layout: str,
-) -> None:
-    """Write context K/V into one layer of vLLM's paged KV cache, in place.
-
-    key, value: ``[n', H, d]`` (any token/head strides), cache dtype; only the
-    first ``n = len(slot_mapping)`` rows are written (vLLM pads key/value, not
-    the slot mapping). slot_mapping: int64 ``[n]``, slot = block_id *
-    block_size + offset with block_size = ``kv_cache.shape[2]`` (the kernel
-    block size); negative slots (vLLM's -1 padding) are skipped.
-    kv_cache: one layer's tensor as vLLM 0.32 allocates it, logical
-    ``[num_blocks, H, block_size, 2*d]``; fp8 caches are refused.
-
-    Layouts (physical placement of token o of block b, head h):
-
-    - ``"flash"`` (FlashAttention on CUDA; any block/head/token strides, as the
-      KVCacheLayout in use gives): ``kv_cache[b, h, o, :d] = K``,
-      ``kv_cache[b, h, o, d:] = V``; flash_attn.py reads
-      ``kv_cache.transpose(1, 2).split(d, -1)``.
-    - ``"cpu"`` (vLLM's CPU attention; ``cpu_attn.py`` views a page as
-      ``[2*block_size, d]`` and chunks it into a K part and a V part, which
-      ``cpu_attn_reshape_and_cache`` packs per ISA): resolved by
-      :func:`resolve_kv_layout` to
-
-      - ``"cpu_vec"`` (ISA "vec"/"vec16"): K part ``[d, block_size]`` (K
-        transposed), V part ``[block_size, d]``;
-      - ``"cpu_amx"`` (ISA "amx", bf16): K part ``[block_size/16, d/2, 16, 2]``
-        with ``K[o, j]`` at ``[o//16, j//2, o%16, j%2]``; V part
-        ``[d/16, block_size/2, 16, 2]`` with ``V[o, j]`` at
-        ``[j//16, o//2, j%16, o%2]``.
-
-    Other ISAs (ARM neon, PowerPC, s390x, RISC-V) raise ValueError. Out-of-cache
-    slots raise ValueError on CPU and trap the kernel on CUDA.
-    """
-    if not USE_NATIVE:
-        write_context_kv_ref(key, value, kv_cache, slot_mapping, layout)
-        return
-    torch.ops.vllm_dflash.write_context_kv(key, value, kv_cache, slot_mapping, layout)
-
-
-# --------------------------------------------------------------------------
-# context_kv_write: k_norm + RoPE + paged-cache store of every draft layer
-# --------------------------------------------------------------------------
 
 
 def _check_context_kv_args(key, value, k_norm_weight, cos_sin_cache, positions, kv_caches, slot_mapping) -> None:
@@ -302,7 +196,7 @@ def rms_norm_rope_ref(
     return torch.cat((rotated, x[..., rot:]), dim=-1).to(dtype)
 
 
-def context_kv_write_ref(
+def store_context_kv_fused_ref(
     key: torch.Tensor,
     value: torch.Tensor,
     k_norm_weight: torch.Tensor,
@@ -314,8 +208,8 @@ def context_kv_write_ref(
     slot_mapping: torch.Tensor,
     layout: str,
 ) -> None:
-    """Pure-torch ``context_kv_write``: :func:`rms_norm_rope_ref`, then
-    :func:`write_context_kv_ref` per layer."""
+    """Pure-torch ``store_context_kv_fused``: :func:`rms_norm_rope_ref`, then
+    :func:`store_context_kv_layer_ref` per layer."""
     _check_context_kv_args(key, value, k_norm_weight, cos_sin_cache, positions, kv_caches, slot_mapping)
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
@@ -329,47 +223,11 @@ def context_kv_write_ref(
     keys = rms_norm_rope_ref(key[:n][keep], k_norm_weight, eps, cos_sin_cache, positions, is_neox)
     values, slots = value[:n][keep], slot_mapping[keep]
     for layer, cache in enumerate(kv_caches):
-        write_context_kv_ref(keys[:, layer], values[:, layer], cache, slots, layout)
-
-
-def context_kv_write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    is_neox: bool,
-    kv_caches: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    slot_mapping: torch.Tensor,
-    layout: str,
-) -> None:
-    """Context K/V of every draft layer into vLLM's paged caches, in one call.
-
-    key, value: ``[n', L, H, d]`` raw projections (K before k_norm and RoPE;
-    any strides with a dense last dim, e.g. views of one fused K/V GEMM);
-    only the first ``n = len(slot_mapping)`` rows are used. k_norm_weight:
-    ``[L, d]`` in key's dtype, eps: the norm's epsilon. cos_sin_cache: vLLM's
-    ``RotaryEmbedding.cos_sin_cache`` ``[max_position, rotary_dim]`` =
-    ``cat(cos, sin)``; dims past rotary_dim pass through; ``is_neox`` picks
-    the half-split (Qwen3, Llama) or interleaved pairing. positions: int64
-    ``[>= n]``. kv_caches: one cache per layer, as :func:`write_context_kv`
-    takes them, with ``layout``; slot -1 skips a row (no norm, RoPE or store).
-
-    The math is :func:`rms_norm_rope_ref`'s: float32 results agree with it up
-    to the order of the sum of squares (a few ulps), 16-bit ones within one
-    unit in the last place.
-    """
-    if not USE_NATIVE:
-        context_kv_write_ref(key, value, k_norm_weight, eps, cos_sin_cache, positions, is_neox, kv_caches, slot_mapping, layout)
-        return
-    torch.ops.vllm_dflash.context_kv_write(
-        key, value, k_norm_weight, float(eps), cos_sin_cache, positions, bool(is_neox), list(kv_caches), slot_mapping, layout
-    )
+        store_context_kv_layer_ref(keys[:, layer], values[:, layer], cache, slots, layout)
 
 
 # --------------------------------------------------------------------------
-# rms_norm: the context features' hidden_norm in one call
+# rms_norm
 # --------------------------------------------------------------------------
 
 
@@ -385,19 +243,8 @@ def rms_norm_ref(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return x.to(weight.dtype) * weight
 
 
-def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, ``weight`` ``[D]`` in input's dtype; a new
-    contiguous tensor. :func:`rms_norm_ref`'s math: float32 agrees up to the
-    order of the sum of squares (a few ulps), 16-bit within one unit in the
-    last place. One native call where vLLM's RMSNorm module dispatches ~8 torch
-    ops outside compiled graphs."""
-    if not USE_NATIVE:
-        return rms_norm_ref(input, weight, eps)
-    return torch.ops.vllm_dflash.rms_norm(input, weight, float(eps))
-
-
 # --------------------------------------------------------------------------
-# prepare_dflash_inputs: one drafting step's inputs in one call
+# prepare_dflash_inputs
 # --------------------------------------------------------------------------
 
 
@@ -478,89 +325,122 @@ def prepare_dflash_inputs_ref(
     )
 
 
-def prepare_dflash_inputs(
-    query_start_loc: torch.Tensor,
-    num_rejected: torch.Tensor | None,
-    target_positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    next_token_ids: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    num_speculative_tokens: int,
-    num_rows: int,
-    compact: bool,
-) -> DFlashStepInputs:
-    """Everything one drafting step needs from the runner's batch, in one call.
+# --------------------------------------------------------------------------
+# rejection_sample
+# --------------------------------------------------------------------------
 
-    The target pass has ``num_rows`` rows, request-major: request r owns rows
-    ``[query_start_loc[r], query_start_loc[r+1])``, and in a verification step
-    its last ``num_rejected[r]`` rows were rejected (None: a step without
-    drafts, every row counts). B = ``len(next_token_ids)``.
 
-    - Context: the verified rows, whose hidden states become draft K/V at
-      their own positions and ``slot_mapping`` slots. ``compact=True`` returns
-      only them (the count needs the host: CPU only); ``compact=False``
-      returns all ``num_rows`` rows in order with slot -1 for rejected and
-      padding rows (no host sync). Without num_rejected every row is context.
-    - Query block of request r: ids ``[next_token_ids[r], mask_token_id x k]``
-      at positions ``p_r .. p_r + k``, p_r = 1 + position of r's last verified
-      row (a request without one, whose drafts vLLM discards, starts at its
-      first row's position); slots from row r of ``block_table`` (int32,
-      block index clamped to its width) with ``block_size``;
-      ``seq_lens[r] = p_r + k + 1``, ``query_start_loc[r] = r * (k + 1)``.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def acceptance(p_x: torch.Tensor, q_x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Accept x with probability min(1, p(x)/q(x)); float64 so u = 0 and q = 0 stay exact."""
+    return uniforms * q_x.double() < p_x.double()
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor, use_q: torch.Tensor) -> torch.Tensor:
+    """Unnormalized recovery distribution: max(0, p - q), or p without x for point-mass drafts.
+
+    Rows where `use_q` is False (bonus tokens, padded drafts) keep p unchanged.
+    Negative entries are left in place; the race ignores every entry <= 0.
     """
-    if not USE_NATIVE:
-        return prepare_dflash_inputs_ref(
-            query_start_loc, num_rejected, target_positions, slot_mapping, next_token_ids, block_table,
-            block_size, mask_token_id, num_speculative_tokens, num_rows, compact,
-        )  # fmt: skip
-    return DFlashStepInputs(
-        *torch.ops.vllm_dflash.prepare_dflash_inputs(
-            query_start_loc, num_rejected, target_positions, slot_mapping, next_token_ids, block_table,
-            block_size, mask_token_id, num_speculative_tokens, num_rows, compact,
-        )  # fmt: skip
-    )
+    if q is not None:
+        return torch.where(use_q[:, None], p - q, p)
+    removed = torch.zeros_like(p, dtype=torch.bool)
+    removed[torch.arange(p.shape[0], device=p.device), x.clamp(0, p.shape[1] - 1)] = True
+    return p.masked_fill(removed & use_q[:, None], 0.0)
 
 
-# --------------------------------------------------------------------------
-# Fake (meta) implementations, so torch.compile / FakeTensor can trace the ops.
-# --------------------------------------------------------------------------
+def exponential_race(weights: torch.Tensor, exp_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax_v weights(v) / e_v over entries with weights > 0; (index, found)."""
+    scores = torch.where(weights > 0, weights / exp_noise, torch.zeros_like(weights))
+    # argmax (not max) because only argmax documents "first maximal index".
+    return scores.argmax(dim=-1), scores.amax(dim=-1) > 0
 
-if HAS_NATIVE:
 
-    @torch.library.register_fake("vllm_dflash::gather_hidden_states")
-    def _gather_hidden_states_fake(hidden_states, indices):
-        h0 = hidden_states[0]
-        return h0.new_empty((indices.shape[0], len(hidden_states) * h0.shape[1]))
+def sample_rows(weights: torch.Tensor, p: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
+    """Race on `weights`; rows left empty by rounding race on p, then take argmax p."""
+    index, found = exponential_race(weights, exp_noise)
+    from_p, found_p = exponential_race(p, exp_noise)
+    return torch.where(found, index, torch.where(found_p, from_p, p.argmax(dim=-1)))
 
-    @torch.library.register_fake("vllm_dflash::gather_hidden_states_out")
-    def _gather_hidden_states_out_fake(hidden_states, indices, out):
-        return None
 
-    @torch.library.register_fake("vllm_dflash::write_context_kv")
-    def _write_context_kv_fake(key, value, kv_cache, slot_mapping, layout):
-        return None
+def rejection_sample_ref(
+    draft_token_ids: torch.Tensor,  # [T] int
+    cu_num_draft_tokens: torch.Tensor,  # [B] int, inclusive cumulative counts
+    target_probs: torch.Tensor,  # [T + B, V] (bonus sampled here) or [T, V] float32
+    draft_probs: torch.Tensor | None,  # [T, V] float32, None = point-mass drafts
+    bonus_token_ids: torch.Tensor | None,  # [B] int, None = sample it from p_n
+    is_greedy: torch.Tensor | None,  # [B] bool, None = every row greedy
+    uniforms: torch.Tensor | None,  # [T] float64, needed unless all greedy
+    exp_noise: torch.Tensor | None,  # [B, V] float32 Exp(1), needed unless all greedy
+    max_spec_len: int,
+) -> torch.Tensor:
+    """Returns [B, max_spec_len + 1] int32 tokens, PLACEHOLDER_TOKEN_ID after the last one.
 
-    @torch.library.register_fake("vllm_dflash::context_kv_write")
-    def _context_kv_write_fake(key, value, k_norm_weight, eps, cos_sin_cache, positions, is_neox, kv_caches,
-                               slot_mapping, layout):  # fmt: skip
-        return None
+    Greedy rows only use the argmax of their target rows, so callers may pass
+    logits there (keeps argmax ties identical to vLLM's non-speculative path).
+    """
+    device = target_probs.device
+    batch, vocab = cu_num_draft_tokens.shape[0], target_probs.shape[1]
+    num_tokens = draft_token_ids.shape[0]
+    cu = cu_num_draft_tokens.long()
+    num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))
+    starts = cu - num_drafts
+    rows_offset = (torch.arange(batch, device=device) if bonus_token_ids is None
+                   else torch.zeros(batch, dtype=torch.long, device=device))
 
-    @torch.library.register_fake("vllm_dflash::rms_norm")
-    def _rms_norm_fake(input, weight, eps):
-        return torch.empty_like(input, memory_format=torch.contiguous_format)
+    positions = torch.arange(max_spec_len, device=device)
+    valid = positions[None, :] < num_drafts[:, None]  # [B, K]
+    token_idx = torch.where(valid, starts[:, None] + positions, num_tokens)  # pad -> index T
+    padded_drafts = torch.cat([draft_token_ids.long(), draft_token_ids.new_full((1,), -1).long()])
+    drafts = padded_drafts[token_idx]  # [B, K], -1 where invalid
+    in_vocab = (drafts >= 0) & (drafts < vocab)
+    safe_drafts = drafts.clamp(0, vocab - 1)
 
-    @torch.library.register_fake("vllm_dflash::prepare_dflash_inputs")
-    def _prepare_dflash_inputs_fake(query_start_loc, num_rejected, target_positions, slot_mapping, next_token_ids,
-                                    block_table, block_size, mask_token_id, num_speculative_tokens, num_rows,
-                                    compact):  # fmt: skip
-        batch, q_len = next_token_ids.shape[0], num_speculative_tokens + 1
-        n = torch.library.get_ctx().new_dynamic_size() if compact and num_rejected is not None else num_rows
-        i64 = dict(dtype=torch.int64, device=next_token_ids.device)
-        i32 = dict(dtype=torch.int32, device=next_token_ids.device)
-        return (
-            torch.empty(n, **i64), torch.empty(n, **i64), torch.empty(n, **i64),
-            torch.empty(batch * q_len, **i32), torch.empty(batch * q_len, **i64), torch.empty(batch * q_len, **i64),
-            torch.empty(batch, **i32), torch.empty(batch + 1, **i32),
-        )  # fmt: skip
+    num_rows = target_probs.shape[0]
+    target_rows = (token_idx + rows_offset[:, None]).clamp(max=max(num_rows - 1, 0))
+    greedy = (torch.ones(batch, dtype=torch.bool, device=device) if is_greedy is None
+              else is_greedy.bool())
+
+    argmax_rows = target_probs.argmax(dim=-1) if num_rows > 0 else target_probs.new_zeros(0, dtype=torch.long)
+    if num_rows > 0 and max_spec_len > 0:
+        accepted = drafts == argmax_rows[target_rows]
+        if is_greedy is not None:
+            p_x = target_probs[target_rows, safe_drafts]
+            q_x = (draft_probs[token_idx.clamp(max=max(num_tokens - 1, 0)), safe_drafts]
+                   if draft_probs is not None else torch.ones_like(p_x))
+            padded_uniforms = torch.cat([uniforms.double(), uniforms.new_ones(1).double()])
+            sampled_ok = in_vocab & acceptance(p_x, q_x, padded_uniforms[token_idx])
+            accepted = torch.where(greedy[:, None], accepted, sampled_ok)
+        accepted &= valid
+        num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    else:
+        num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    rejected = num_accepted < num_drafts
+
+    # The token after the accepted prefix: recovery if rejected, else the bonus.
+    final_token_idx = (starts + num_accepted).clamp(max=max(num_tokens - 1, 0))
+    needs_row = rejected | (bonus_token_ids is None)
+    final_rows = torch.where(needs_row, starts + num_accepted + rows_offset, 0).clamp(max=max(num_rows - 1, 0))
+    if num_rows > 0:
+        final = argmax_rows[final_rows]
+    else:
+        final = torch.zeros(batch, dtype=torch.long, device=device)
+    if is_greedy is not None and num_rows > 0:
+        p = target_probs[final_rows]
+        final_draft = padded_drafts[torch.where(rejected, starts + num_accepted, num_tokens)]
+        use_q = rejected & (final_draft >= 0) & (final_draft < vocab)
+        q = draft_probs[final_token_idx] if draft_probs is not None and num_tokens > 0 else None
+        weights = residual(p, q, final_draft, use_q)
+        sampled = sample_rows(weights, p, exp_noise)
+        final = torch.where(greedy, final, sampled)
+    if bonus_token_ids is not None:
+        final = torch.where(rejected, final, bonus_token_ids.reshape(-1).long())
+
+    columns = torch.arange(max_spec_len + 1, device=device)
+    prefix = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)
+    out = torch.where(columns[None, :] < num_accepted[:, None], prefix,
+                      torch.where(columns[None, :] == num_accepted[:, None], final[:, None],
+                                  PLACEHOLDER_TOKEN_ID))
+    return out.to(torch.int32)

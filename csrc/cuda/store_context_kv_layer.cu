@@ -18,12 +18,12 @@ __global__ void write_kv_flash_kernel(WriteKVFlashArgs a) {
   if (slot < 0) return;
   if (slot >= a.num_blocks * a.block_size) {
     if (threadIdx.x == 0) {
-      printf("vllm_dflash.write_context_kv: slot_mapping[%lld] = %lld is "
+      printf("vllm_dflash.store_context_kv_layer: slot_mapping[%lld] = %lld is "
              "outside the cache (%lld slots)\n",
              static_cast<long long>(i), static_cast<long long>(slot),
              static_cast<long long>(a.num_blocks * a.block_size));
     }
-    assert(slot < a.num_blocks * a.block_size && "vllm_dflash.write_context_kv: slot outside the cache");
+    assert(slot < a.num_blocks * a.block_size && "vllm_dflash.store_context_kv_layer: slot outside the cache");
     return;
   }
   const int64_t b = slot / a.block_size, o = slot % a.block_size;

@@ -1,4 +1,4 @@
-// CUDA context_kv_write for the FlashAttention cache layout: one thread block
+// CUDA store_context_kv_fused for the FlashAttention cache layout: one thread block
 // per (token, layer), one warp per KV head. Per head: fp32 sum of squares
 // (warp reduction), RMSNorm rounded to the model dtype, times the k_norm
 // weight (rounded), RoPE in fp32 without FMA contraction (rounded once), then
@@ -46,7 +46,7 @@ struct LayerCaches {
 };
 
 template <typename scalar_t, typename cos_t>
-__global__ void context_kv_write_kernel(ContextKVWriteArgs a, LayerCaches caches,
+__global__ void store_context_kv_fused_kernel(StoreContextKVFusedArgs a, LayerCaches caches,
                                         int64_t layer0) {
   const int64_t i = blockIdx.x;
   const int64_t l = layer0 + blockIdx.y;
@@ -56,14 +56,14 @@ __global__ void context_kv_write_kernel(ContextKVWriteArgs a, LayerCaches caches
   const int64_t capacity = a.num_blocks * a.block_size;
   if (slot >= capacity || pos < 0 || pos >= a.max_pos) {
     if (threadIdx.x == 0) {
-      printf("vllm_dflash.context_kv_write: row %lld has slot %lld (cache: %lld "
+      printf("vllm_dflash.store_context_kv_fused: row %lld has slot %lld (cache: %lld "
              "slots) and position %lld (cos_sin_cache: %lld positions)\n",
              static_cast<long long>(i), static_cast<long long>(slot),
              static_cast<long long>(capacity), static_cast<long long>(pos),
              static_cast<long long>(a.max_pos));
     }
     assert(slot < capacity && pos >= 0 && pos < a.max_pos &&
-           "vllm_dflash.context_kv_write: slot or position out of range");
+           "vllm_dflash.store_context_kv_fused: slot or position out of range");
     return;
   }
   const int64_t b = slot / a.block_size, o = slot % a.block_size;
@@ -108,13 +108,13 @@ __global__ void context_kv_write_kernel(ContextKVWriteArgs a, LayerCaches caches
 }
 
 template <typename scalar_t, typename cos_t>
-cudaError_t launch_typed(const ContextKVWriteArgs& a, cudaStream_t stream) {
+cudaError_t launch_typed(const StoreContextKVFusedArgs& a, cudaStream_t stream) {
   for (int64_t layer0 = 0; layer0 < a.num_layers; layer0 += kLayersPerLaunch) {
     const int64_t count = std::min<int64_t>(kLayersPerLaunch, a.num_layers - layer0);
     LayerCaches caches{};
     for (int64_t l = 0; l < count; ++l) caches.ptr[l] = a.caches[layer0 + l];
     const dim3 grid(static_cast<unsigned int>(a.n), static_cast<unsigned int>(count));
-    context_kv_write_kernel<scalar_t, cos_t><<<grid, 32 * kWarps, 0, stream>>>(a, caches, layer0);
+    store_context_kv_fused_kernel<scalar_t, cos_t><<<grid, 32 * kWarps, 0, stream>>>(a, caches, layer0);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -122,7 +122,7 @@ cudaError_t launch_typed(const ContextKVWriteArgs& a, cudaStream_t stream) {
 }
 
 template <typename scalar_t>
-cudaError_t dispatch_cos_sin(const ContextKVWriteArgs& a, cudaStream_t stream) {
+cudaError_t dispatch_cos_sin(const StoreContextKVFusedArgs& a, cudaStream_t stream) {
   switch (a.cos_sin_dtype) {
     case 0: return launch_typed<scalar_t, float>(a, stream);
     case 1: return launch_typed<scalar_t, __half>(a, stream);
@@ -132,7 +132,7 @@ cudaError_t dispatch_cos_sin(const ContextKVWriteArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_context_kv_write(const ContextKVWriteArgs& args,
+cudaError_t launch_store_context_kv_fused(const StoreContextKVFusedArgs& args,
                                     cudaStream_t stream) {
   if (args.n == 0 || args.num_layers == 0 || args.num_heads == 0 || args.head_size == 0)
     return cudaSuccess;

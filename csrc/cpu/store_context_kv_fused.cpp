@@ -2,7 +2,7 @@
 // RMSNorm of the raw key with the layer's k_norm weight, RoPE at the token's
 // position, then K and V stored into the layer's paged cache (kv_layout.h).
 //
-// Arithmetic follows the pure-torch reference (ops.context_kv_write_ref,
+// Arithmetic follows the pure-torch reference (ops.store_context_kv_fused_ref,
 // itself vLLM's RMSNorm + rotary embedding): fp32 sum of squares and scaling,
 // rounded to the model dtype, times the weight (rounded), then the rotation in
 // fp32 with cos/sin read from the cache, rounded once. Only the order of the
@@ -11,13 +11,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "../ops_common.h"
+#include "ops.h"
 #include "kv_layout.h"
 
 namespace vllm_dflash {
@@ -112,13 +112,15 @@ void dispatch_cache_dtype(const ContextKVShape& s, const at::Tensor& key,
   }
 }
 
-void context_kv_write_cpu(const at::Tensor& key, const at::Tensor& value,
+}  // namespace
+
+void store_context_kv_fused_cpu(const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& k_norm_weight, double eps,
                           const at::Tensor& cos_sin_cache,
                           const at::Tensor& positions, bool is_neox,
                           at::TensorList kv_caches, const at::Tensor& slot_mapping,
                           c10::string_view layout) {
-  const ContextKVShape s = check_context_kv_write_inputs(
+  const ContextKVShape s = check_store_context_kv_fused_inputs(
       key, value, k_norm_weight, cos_sin_cache, positions, kv_caches,
       slot_mapping, layout);
   const at::Tensor slots = slot_mapping.contiguous();
@@ -127,11 +129,11 @@ void context_kv_write_cpu(const at::Tensor& key, const at::Tensor& value,
   const int64_t* pp = pos.const_data_ptr<int64_t>();
   const int64_t capacity = s.kv.num_blocks * s.kv.block_size;
   for (int64_t i = 0; i < s.kv.n; ++i) {
-    TORCH_CHECK_VALUE(sp[i] < capacity, "context_kv_write: slot_mapping[", i,
+    TORCH_CHECK_VALUE(sp[i] < capacity, "store_context_kv_fused: slot_mapping[", i,
                       "] = ", sp[i], " is outside the cache (", s.kv.num_blocks,
                       " blocks x ", s.kv.block_size, " = ", capacity, " slots)");
     TORCH_CHECK_VALUE(sp[i] < 0 || (pp[i] >= 0 && pp[i] < s.max_pos),
-                      "context_kv_write: positions[", i, "] = ", pp[i],
+                      "store_context_kv_fused: positions[", i, "] = ", pp[i],
                       " is outside cos_sin_cache (", s.max_pos, " positions)");
   }
   if (s.kv.n == 0 || s.kv.head_size == 0) return;
@@ -150,14 +152,9 @@ void context_kv_write_cpu(const at::Tensor& key, const at::Tensor& value,
                                                  cos_sin_cache, pp, is_neox,
                                                  kv_caches, sp);
     default:
-      TORCH_CHECK_VALUE(false, "context_kv_write: unsupported dtype ",
+      TORCH_CHECK_VALUE(false, "store_context_kv_fused: unsupported dtype ",
                         key.scalar_type(), "; use float32, float16 or bfloat16");
   }
 }
 
-}  // namespace
 }  // namespace vllm_dflash
-
-TORCH_LIBRARY_IMPL(vllm_dflash, CPU, m) {
-  m.impl("context_kv_write", &vllm_dflash::context_kv_write_cpu);
-}
