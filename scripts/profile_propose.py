@@ -16,15 +16,15 @@ them alike.
 Per batch size: a timed generate() run (tok/s), then one decode-step
 propose() call is captured (arguments copied) and replayed --replays times;
 propose() is idempotent (same K/V into the same slots), so the fastest replay
-is its cost without interference from other processes. Its pieces are timed
-by wrapping the proposer's methods (no overlap; "rest" is the part of
+is its cost without interference from other processes. Its phases are timed
+by vllm_dflash.profiler (the bench's phase names; "other" is the part of
 propose() outside them):
 
-    inputs     input preparation (positions, slots, ids, attention lengths)
-    context    target features -> context K/V in the draft's paged cache
-    attn_meta  draft attention metadata (vLLM's builder)
-    forward    query-block forward of the draft model
-    sample     LM head + argmax
+    inputs         input preparation (positions, slots, ids, attention lengths)
+    context_kv     target features -> context K/V in the draft's paged cache
+    attn_metadata  draft attention metadata (vLLM's builder)
+    draft_forward  query-block forward of the draft model
+    sample         LM head + draft tokens
 
 --ops also counts the torch ops dispatched from Python per propose() (top-level
 profiler events; a compiled graph counts as one) and lists the costliest.
@@ -44,29 +44,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PIECES = ("inputs", "context", "attn_meta", "forward", "sample")
+from vllm_dflash.profiler import PROPOSE_OTHER, PROPOSE_PHASES
 
-# piece -> callables wrapped, per implementation: "drafter.NAME" / "model.NAME"
-# (the proposer / its draft model), "call:model" (the draft model's __call__),
-# "module:MODULE:ATTR.ATTR" (looked up through a module's globals at call
-# time). Missing names are skipped, so the table keeps working as code changes.
-PLUGIN_PIECES = {
-    "inputs": [
-        "module:vllm_dflash.serving.proposer:ops.prepare_dflash_inputs",
-    ],
-    "context": ["module:vllm_dflash.serving.proposer:ops.gather_hidden_states", "model.store_context_kv"],
-    "attn_meta": ["drafter.build_per_group_and_layer_attn_metadata"],
-    "forward": ["call:model"],
-    "sample": ["drafter._draft_tokens"],
-}
-IN_TREE_PIECES = {
-    "inputs": ["drafter.set_inputs_first_pass"],
-    "context": ["model.combine_hidden_states", "model.precompute_and_store_context_kv"],
-    "attn_meta": ["drafter.build_per_group_and_layer_attn_metadata"],
-    "forward": ["call:model"],
-    "sample": ["drafter._sample_draft_tokens"],
-}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = (*PROPOSE_PHASES, PROPOSE_OTHER)
 
 
 # ---------------------------------------------------------------- models --
@@ -102,79 +83,12 @@ def build_models(root: str, target: str, draft_layers: int, block_size: int) -> 
 # ---------------------------------------------------------------- timing --
 
 
-class PieceTimer:
-    """Time of wrapped callables on `clock`, per piece and per propose() call."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.current = {p: 0.0 for p in PIECES}
-        self.calls: list[dict] = []  # per call: batch, propose and piece seconds
-
-    def reset(self):
-        self.__init__(self.clock)
-
-    def wrap(self, fn, piece: str):
-        def timed(*args, **kwargs):
-            t0 = self.clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.current[piece] += self.clock() - t0
-
-        return timed
-
-    def end_call(self, batch: int, seconds: float) -> None:
-        self.calls.append({"batch": batch, "propose": seconds, **self.current})
-        self.current = {p: 0.0 for p in PIECES}
-
-    def summary(self, stat=statistics.median) -> dict:
-        """`stat` (min: the least disturbed call) of every piece over the
-        recorded calls, ms; rest = propose - pieces, per call."""
-        out = {key: 1e3 * stat([c[key] for c in self.calls]) for key in ("propose", *PIECES)}
-        out["rest"] = 1e3 * stat([c["propose"] - sum(c[p] for p in PIECES) for c in self.calls])
-        return out
-
-
-def install_timers(drafter, table: dict[str, list[str]], timer: PieceTimer) -> list[str]:
-    """Wrap every path of `table` that exists; returns the wrapped paths."""
-    import importlib
-
-    model = drafter.model
-    wrapped = []
-    for piece, paths in table.items():
-        for path in paths:
-            if path.startswith("call:"):  # nn.Module.__call__ via a subclass: isinstance checks still hold
-                cls = type(model)
-                call = timer.wrap(cls.__call__, piece)
-                model.__class__ = type(f"Timed{cls.__name__}", (cls,), {"__call__": call})
-                wrapped.append(path)
-                continue
-            if path.startswith("module:"):
-                module, attrs = path[len("module:") :].split(":")
-                *chain, name = attrs.split(".")
-                owner = importlib.import_module(module)
-                for attr in chain:
-                    owner = getattr(owner, attr, None)
-                if owner is None:
-                    continue
-            else:
-                head, name = path.split(".", 1)
-                owner = {"drafter": drafter, "model": model}[head]
-            if not hasattr(owner, name):
-                continue
-            setattr(owner, name, timer.wrap(getattr(owner, name), piece))
-            wrapped.append(path)
-    propose = drafter.propose
-
-    def timed_propose(*args, **kwargs):
-        t0 = timer.clock()
-        try:
-            return propose(*args, **kwargs)
-        finally:
-            timer.end_call(kwargs["next_token_ids"].shape[0], timer.clock() - t0)
-
-    drafter.propose = timed_propose
-    return wrapped
+def summary(calls_log: list[dict], stat=statistics.median) -> dict:
+    """`stat` (min: the least disturbed call) of every phase over the recorded
+    propose() calls, ms; other = propose - phases, per call."""
+    out = {key: 1e3 * stat([c[key] for c in calls_log]) for key in ("propose", *PROPOSE_PHASES)}
+    out[PROPOSE_OTHER] = 1e3 * stat([c["propose"] - sum(c[p] for p in PROPOSE_PHASES) for c in calls_log])
+    return out
 
 
 def count_ops(drafter, num_calls: int) -> dict:
@@ -242,7 +156,7 @@ def capture_propose(drafter, batch: int) -> dict:
     return box
 
 
-def replay(drafter, kwargs: dict, timer: PieceTimer, num: int) -> None:
+def replay(drafter, kwargs: dict, timer, num: int) -> None:
     """Run the same propose() `num` times (it is idempotent: the same K/V into
     the same slots); the timer records every call."""
     import torch
@@ -261,6 +175,7 @@ def worker(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_dflash import profiler
     from vllm_dflash.patches import model_runner_of
 
     torch.manual_seed(0)
@@ -279,9 +194,9 @@ def worker(args) -> dict:
     runner = model_runner_of(llm)
     drafter = runner.drafter
     drafter_name = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
-    timer = PieceTimer(time.perf_counter)
-    table = IN_TREE_PIECES if args.impl == "vllm" else PLUGIN_PIECES  # "before": the plugin, another checkout
-    wrapped = install_timers(drafter, table, timer)
+    timer = profiler.PhaseTimer(record_calls=True)
+    hooks = profiler.PROPOSER_HOOKS["vllm" if args.impl == "vllm" else "plugin"]  # "before": the plugin, another checkout
+    wrapped = profiler.time_proposer(drafter, timer, hooks)
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     gen = torch.Generator().manual_seed(0)
@@ -307,13 +222,13 @@ def worker(args) -> dict:
                 tokens += generate(batch)
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
-        calls = len(timer.calls)
-        in_run = timer.summary()  # medians over the calls of the timed run
+        calls = len(timer.calls_log)
+        in_run = summary(timer.calls_log)  # medians over the calls of the timed run
         box = capture_propose(drafter, c)
         generate(batches[0])
         box.pop("restore")()
         replay(drafter, box["kwargs"], timer, args.replays)
-        best = timer.summary(min)
+        best = summary(timer.calls_log, min)
         cell = {
             "batch": c,
             "tok_s": tokens / sum(walls),
@@ -322,7 +237,7 @@ def worker(args) -> dict:
             "propose_calls": calls,
             "tokens_per_call": tokens / max(calls, 1),
             "propose_ms": best["propose"],
-            "pieces_ms": {p: best[p] for p in (*PIECES, "rest")},
+            "pieces_ms": {p: best[p] for p in COLUMNS},
             "run_median_ms": in_run,
         }
         if args.ops:
@@ -380,7 +295,7 @@ def finish_one(started: tuple) -> dict:
 
 
 def print_table(results: list[dict], args) -> None:
-    head = f"{'impl':7} {'mode':8} {'B':>2} {'propose':>8} " + " ".join(f"{p:>9}" for p in (*PIECES, "rest"))
+    head = f"{'impl':7} {'mode':8} {'B':>2} {'propose':>8} " + " ".join(f"{p[:13]:>13}" for p in COLUMNS)
     head += f" {'tok/s':>7} {'tok/cpu-s':>9} {'tok/call':>8}"
     head += f" {'ops':>5}" if "ops_per_call" in results[0]["cells"][0] else ""
     print("propose() and its pieces: ms, fastest of the replays of one captured decode step (wall clock); "
@@ -390,7 +305,7 @@ def print_table(results: list[dict], args) -> None:
     for res in results:
         for cell in res["cells"]:
             row = f"{res['impl']:7} {res['mode']:8} {cell['batch']:>2} {cell['propose_ms']:8.3f} "
-            row += " ".join(f"{cell['pieces_ms'][p]:9.3f}" for p in (*PIECES, "rest"))
+            row += " ".join(f"{cell['pieces_ms'][p]:13.3f}" for p in COLUMNS)
             row += f" {cell['tok_s_best_repeat']:7.1f} {cell['tok_per_cpu_s']:9.1f} {cell['tokens_per_call']:8.2f}"
             if "ops_per_call" in cell:
                 row += f" {cell['ops_per_call']:5.0f}"

@@ -136,69 +136,6 @@ def test_merge_speedup_and_match():
     assert math.isnan(cells[2]["speedup"]) and cells[2]["outputs_match_none"] is None
 
 
-def test_proposer_profile_hook(tmp_path):
-    """The bench diffs the cumulative phase timings the plugin's proposer writes to
-    VLLM_DFLASH_PROFILE_FILE; the "all" row pools categories."""
-    from vllm_dflash.bench.runner import profile_delta, read_profile
-
-    path = tmp_path / "profile.json"
-    assert read_profile(str(path)) is None
-    path.write_text(json.dumps({"phases": {"draft_forward": {"calls": 3, "seconds": 0.3}}}))
-    before = read_profile(str(path))
-    path.write_text(json.dumps({"phases": {"draft_forward": {"calls": 10, "seconds": 1.0},
-                                           "context_kv_write": {"calls": 7, "seconds": 0.07}}}))
-    delta = profile_delta(before, read_profile(str(path)))
-    assert delta["draft_forward"]["calls"] == 7 and delta["draft_forward"]["seconds"] == pytest.approx(0.7)
-    assert delta["context_kv_write"] == {"calls": 7, "seconds": 0.07}
-    cell = {"wall_s": 1.0, "prompt_tokens": 1, "output_tokens": 1, "requests": [], "proposer_profile": delta}
-    assert metrics.merge([cell, cell])["proposer_profile"]["draft_forward"]["calls"] == 14
-
-
-def test_proposer_phase_profile_writes_what_the_bench_reads(tmp_path, monkeypatch):
-    """serving.profile wraps a proposer's phases; 'other' is propose() outside them."""
-    import time as _time
-
-    from vllm_dflash.bench.runner import read_profile
-    from vllm_dflash.serving import profile
-
-    class Model:
-        def store_context_kv(self, *a):
-            _time.sleep(0.002)
-
-        def forward(self, *a):
-            _time.sleep(0.003)
-
-    class Proposer:
-        model = Model()
-
-        def build_per_group_and_layer_attn_metadata(self, *a):
-            return None, None
-
-        def _draft_tokens(self, *a):
-            return "drafts"
-
-        def propose(self):
-            self.model.store_context_kv()
-            self.build_per_group_and_layer_attn_metadata()
-            self.model.forward()
-            _time.sleep(0.001)
-            return self._draft_tokens()
-
-    monkeypatch.delenv(profile.PROFILE_ENV, raising=False)
-    assert profile.install(Proposer()) is None  # off unless asked for
-    path = tmp_path / "p.json"
-    monkeypatch.setenv(profile.PROFILE_ENV, str(path))
-    p = Proposer()
-    profile.install(p)
-    assert p.propose() == "drafts" and p.propose() == "drafts"
-    phases = read_profile(str(path))["phases"]
-    assert {name: v["calls"] for name, v in phases.items()} == {
-        "context_kv": 2, "attn_metadata": 2, "draft_forward": 2, "lm_head_sample": 2, "propose": 2, "other": 2}
-    named = sum(phases[n]["seconds"] for n in ("context_kv", "attn_metadata", "draft_forward", "lm_head_sample"))
-    assert phases["draft_forward"]["seconds"] >= 0.006 and phases["other"]["seconds"] >= 0.002
-    assert named + phases["other"]["seconds"] == pytest.approx(phases["propose"]["seconds"])
-
-
 def test_batches_cycle_prompts_to_full_batches():
     ps = [[1], [2], [3]]
     assert batches_for(ps, 2) == [[[1], [2]], [[3], [1]]]

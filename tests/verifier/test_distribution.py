@@ -25,8 +25,10 @@ import pytest
 import torch
 from scipy import stats
 
+from draft_sampling import sample_drafts
+
 from vllm_dflash.ops import reference
-from vllm_dflash.verifier import rejection_sample, sample_drafts, verify
+from vllm_dflash.verifier import rejection_sample, verify
 
 V = 8
 K = 2

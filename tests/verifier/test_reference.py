@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_sampling import sample_drafts
+
 from vllm_dflash.ops.reference import rejection_sample_ref
-from vllm_dflash.verifier import draw_noise, rejection_sample, sample_drafts, verify
+from vllm_dflash.verifier import draw_noise, rejection_sample, verify
 from vllm_dflash.verifier.sampling_params import apply_top_k_top_p, process_logits
 
 NEG = -1

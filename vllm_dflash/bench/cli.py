@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from vllm_dflash.bench import metrics, prompts
-from vllm_dflash.bench.runner import MODES, PROFILE_ENV, mode_env
+from vllm_dflash.bench.runner import MODES, mode_env
+from vllm_dflash.profiler import PROFILE_ENV
 from vllm_dflash.serving.draft_sample import DRAFT_SAMPLE_CHOICES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,8 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 PER_POS_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"
-# What the runner's StepTimer records per measurement (seconds, and the step count).
+# What the runner records per measurement: vllm_dflash.profiler.step_split
+# (seconds of each engine-step phase, and the step count).
 TIMED_PARTS = ("step_s", "draft_s", "target_s", "verify_s", "steps")
 
 

@@ -28,10 +28,9 @@ import sys
 import time
 from typing import Any
 
-from vllm_dflash import envs
+from vllm_dflash import envs, profiler
 from vllm_dflash.bench.metrics import TIMED_PARTS
 from vllm_dflash.patches.model_runner import model_runner_of
-from vllm_dflash.serving.profile import PROFILE_ENV  # the proposer writes it; no vLLM import
 
 MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
 
@@ -75,70 +74,9 @@ def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[in
     return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
 
 
-class StepTimer:
-    """Wall time of the model runner's steps, split into their parts.
-
-    Wraps, on the runner instance: execute_model + sample_tokens (one engine
-    step, everything below), _model_forward (the target forward), the sampler
-    and the rejection sampler (verification; plain sampling without
-    speculation) and propose_draft_token_ids (drafting). The rest of a step
-    (input preparation, bookkeeping) is its overhead. `steps` counts
-    execute_model calls.
-    """
-
-    def __init__(self, model_runner: Any, sync: bool):
-        for name in TIMED_PARTS:
-            setattr(self, name, 0.0)
-        self._sync = sync
-        self._active: set[str] = set()
-        for name in ("execute_model", "sample_tokens"):
-            setattr(model_runner, name, self._wrap(getattr(model_runner, name), "step_s"))
-        model_runner.execute_model = self._count(model_runner.execute_model)
-        model_runner.propose_draft_token_ids = self._wrap(model_runner.propose_draft_token_ids, "draft_s")
-        if hasattr(model_runner, "_model_forward"):
-            model_runner._model_forward = self._wrap(model_runner._model_forward, "target_s")
-        for name in ("sampler", "rejection_sampler"):
-            module = getattr(model_runner, name, None)
-            if module is not None and hasattr(module, "forward"):
-                module.forward = self._wrap(module.forward, "verify_s")
-
-    def snapshot(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in TIMED_PARTS}
-
-    def _count(self, fn):
-        def counted(*args, **kwargs):
-            self.steps += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    def _wrap(self, fn, field_name: str):
-        """Time fn into field_name; nested calls of the same field count once
-        (the rejection sampler calls the runner's sampler inside)."""
-        active = self._active
-
-        def timed(*args, **kwargs):
-            if field_name in active:
-                return fn(*args, **kwargs)
-            active.add(field_name)
-            self._synchronize()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._synchronize()
-                setattr(self, field_name, getattr(self, field_name) + time.perf_counter() - t0)
-                active.discard(field_name)
-        return timed
-
-    def _synchronize(self) -> None:
-        if self._sync:
-            import torch
-
-            torch.cuda.synchronize()
-
-
 def read_profile(path: str | None) -> dict | None:
-    """The proposer's own profile (see bench docs): {"phases": {name: {"calls", "seconds"}}}."""
+    """The proposer's own profile (VLLM_DFLASH_PROFILE_FILE, written by
+    vllm_dflash.profiler): {"phases": {name: {"calls", "seconds"}}}."""
     if not path or not os.path.isfile(path):
         return None
     try:
@@ -146,18 +84,6 @@ def read_profile(path: str | None) -> dict | None:
             return json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def profile_delta(before: dict | None, after: dict | None) -> dict | None:
-    if not after or "phases" not in after:
-        return None
-    prev = (before or {}).get("phases", {})
-    out = {}
-    for name, cur in after["phases"].items():
-        old = prev.get(name, {})
-        out[name] = {"calls": int(cur.get("calls", 0)) - int(old.get("calls", 0)),
-                     "seconds": float(cur.get("seconds", 0.0)) - float(old.get("seconds", 0.0))}
-    return out
 
 
 def run(spec: dict) -> dict:
@@ -192,7 +118,8 @@ def run(spec: dict) -> dict:
     if model_runner is not None and spec.get("time_steps", True):
         import torch
 
-        timer = StepTimer(model_runner, sync=torch.cuda.is_available())
+        timer = profiler.PhaseTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+        profiler.time_engine_steps(model_runner, timer)
     profile_file = envs.VLLM_DFLASH_PROFILE_FILE
 
     request_index = itertools.count()
@@ -228,7 +155,7 @@ def run(spec: dict) -> dict:
             if spec["keep_outputs"]:
                 cell["output_token_ids"] = []
             start = counters()
-            step0 = timer.snapshot() if timer else None
+            step0 = profiler.step_split(timer.phases) if timer else None
             prof0 = read_profile(profile_file)
             for rep in range(spec["repeats"]):
                 for batch in batches:
@@ -254,11 +181,12 @@ def run(spec: dict) -> dict:
                 bar.update(1)
             cell["counters"] = (counters() - start).to_dict() if spec_cfg else None
             if timer:
-                now = timer.snapshot()
+                now = profiler.step_split(timer.phases)
                 cell.update({name: now[name] - step0[name] for name in TIMED_PARTS})
                 if not spec_cfg:
                     cell["draft_s"] = 0.0
-            cell["proposer_profile"] = profile_delta(prof0, read_profile(profile_file))
+            cell["proposer_profile"] = profiler.delta((prof0 or {}).get("phases"),
+                                                      (read_profile(profile_file) or {}).get("phases"))
             cells.append(cell)
     bar.close()
     return {"mode": spec["mode"], "num_spec_tokens": spec.get("num_spec_tokens"), "proposer": proposer,

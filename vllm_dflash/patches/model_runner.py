@@ -3,7 +3,8 @@
 Tests, the benchmark and the profiling script run the engine in their own
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) to look at the runner, its drafter
 and its sampler; `model_runner_of` is the one place that walks vLLM's object
-chain to it. The step timer (vllm_dflash.profiler) wraps runner methods.
+chain to it. The profiler (vllm_dflash.profiler) wraps runner methods, and
+the methods of vLLM's in-tree DFlash proposer when it profiles that one.
 """
 
 from __future__ import annotations
@@ -92,5 +93,34 @@ ENTRIES: list[VllmInternal] = [
         params=("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                 "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
                 "slot_mappings"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.spec_decode.dflash:DFlashProposer.set_inputs_first_pass",
+        kind="wrap",
+        process=("bench",),
+        why="the profiler's 'inputs' phase of vLLM's in-tree proposer (the plugin's rival, timed side by side "
+        "by scripts/profile_propose.py)",
+        how="profiler.PROPOSER_HOOKS['vllm']: instance attribute replaced by a timing wrapper",
+        remove_when="never while the in-tree proposer is profiled",
+        params=("self", "target_token_ids", "next_token_ids", "target_positions", "target_hidden_states",
+                "token_indices_to_sample", "cad", "num_rejected_tokens_gpu"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.models.qwen3_dflash:DFlashQwen3ForCausalLM.combine_hidden_states",
+        kind="wrap",
+        process=("bench",),
+        why="the profiler's 'context_kv' phase of the in-tree draft model",
+        how="profiler.PROPOSER_HOOKS['vllm']: instance attribute replaced by a timing wrapper",
+        remove_when="never while the in-tree proposer is profiled",
+        params=("self", "hidden_states"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.models.qwen3_dflash:DFlashQwen3ForCausalLM.precompute_and_store_context_kv",
+        kind="wrap",
+        process=("bench",),
+        why="the profiler's 'context_kv' phase of the in-tree draft model",
+        how="profiler.PROPOSER_HOOKS['vllm']: instance attribute replaced by a timing wrapper",
+        remove_when="never while the in-tree proposer is profiled",
+        params=("self", "context_states", "context_positions", "context_slot_mapping"),
     ),
 ]

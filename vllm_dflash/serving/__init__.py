@@ -1,5 +1,7 @@
-"""vLLM-side DFlash: draft model on vLLM's layers and paged KV cache
-(`draft_model`), the proposer the runner calls (`proposer`), its per-step
-inputs (`inputs`) and speculative-config completion (`draft_resolution`).
-Installed by `vllm_dflash.patches`; importing this package imports nothing.
+"""vLLM-side DFlash: the draft model on vLLM's layers (`draft_model`), its
+context-K/V writer into the paged cache (`context_kv`), the proposer the
+runner calls (`proposer`), speculative-config completion and the DFlash
+config that travels with it (`draft_resolution`), and the `draft_sample`
+key (`draft_sample`). Installed by `vllm_dflash.patches`; importing this
+package imports nothing.
 """

@@ -4,7 +4,7 @@ A z-lab DFlash draft is a stack of Qwen3 decoder layers with two twists:
 
 * Context K/V come from the *target's* hidden states (several target layers
   concatenated, projected by `fc`, normed by `hidden_norm`), not from draft
-  tokens. `store_context_kv` computes them for newly verified tokens only and
+  tokens. `store_context_kv` (serving.context_kv) computes them for newly verified tokens only and
   writes them into each draft layer's slot of vLLM's paged cache, so they
   persist across rounds like any other KV entry.
 * The query block `[last verified token, MASK x k]` attends bidirectionally to
@@ -41,8 +41,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 from vllm.transformers_utils.config import set_default_rope_theta
 
-from vllm_dflash import ops
 from vllm_dflash.config import DFlashConfig
+from vllm_dflash.serving.context_kv import ContextKVWriter
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 
 # (fused parameter, checkpoint name part it holds, shard id), as in vLLM's Qwen models.
@@ -55,10 +55,6 @@ STACKED_PARAMS = (
 )
 # Tensors a z-lab draft may ship but never uses here: embedding and LM head are the target's.
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
-
-# vLLM attention backend name -> KV cache layout understood by ops.store_context_kv_layer.
-CACHE_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "flash"}
-
 
 def _draft_hf_config(vllm_config: VllmConfig):
     spec = vllm_config.speculative_config
@@ -76,28 +72,6 @@ def _check_full_attention(config, dflash: DFlashConfig) -> None:
             "does not serve; use a draft with full attention in every layer, or run vLLM's "
             "in-tree DFlash with VLLM_DFLASH_IMPL=vllm"
         )
-
-
-def _rope_keys(rope: nn.Module, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """RoPE on keys with the platform's kernel. This path runs outside the
-    compiled graph, where vLLM's CustomOp dispatch (custom ops off under
-    torch.compile) would pick the slow native version."""
-    if keys.device.type == "cuda" and hasattr(rope, "forward_cuda"):
-        return rope.forward_cuda(positions, keys, None)[0]
-    if keys.device.type == "cpu" and hasattr(rope, "forward_cpu"):
-        return rope.forward_cpu(positions, keys, None)[0]
-    return rope.forward_native(positions, keys, None)[0]
-
-
-def _is_table_rope(rope: nn.Module) -> bool:
-    """True for vLLM's RotaryEmbedding and the subclasses that only change its
-    cos_sin_cache (Llama3, YaRN, linear/NTK scaling): their rotation is a
-    plain cos_sin_cache lookup, which ops.store_context_kv_fused does itself."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    cls = type(rope)
-    methods = ("forward", "forward_native", "forward_static", "forward_cpu", "forward_cuda")
-    return isinstance(rope, RotaryEmbedding) and all(getattr(cls, m) is getattr(RotaryEmbedding, m) for m in methods)
 
 
 class DFlashAttention(nn.Module):
@@ -160,26 +134,6 @@ class DFlashAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn(q, k, v))
         return out
-
-    def project_context_kv(self, context: torch.Tensor) -> torch.Tensor:
-        """[n, 2 * kv_size] K/V projection of context features through this
-        layer's own qkv_proj (used for quantized drafts, whose packed weights
-        cannot be sliced into DFlashModel.context_kv_proj)."""
-        return self.qkv_proj(context)[0][:, self.q_size :]
-
-    def cache_layout(self) -> str | None:
-        """ops.store_context_kv_layer layout of this layer's cache; None for other backends."""
-        return CACHE_LAYOUTS.get(self.attn.get_attn_backend().get_name())
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store K/V at `slot_mapping` (-1 = skip) in this layer's paged cache."""
-        layout = self.cache_layout()
-        if layout is not None:
-            ops.store_context_kv_layer(key, value, self.attn.kv_cache, slot_mapping, layout)
-            return
-        # Any other backend: its own cache writer (it skips negative slots).
-        self.attn.impl.do_kv_cache_update(self.attn, key, value, self.attn.kv_cache, slot_mapping)
-
 
 class DFlashMLP(nn.Module):
     def __init__(self, config, quant_config, prefix: str):
@@ -265,7 +219,8 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.embed_tokens: nn.Module | None = None
         # K/V projections of all layers for context tokens, as one GEMM. Filled
-        # from each layer's (TP-local) qkv_proj at load; vLLM then gives it the
+        # from each layer's (TP-local) qkv_proj at load (with k_norm_weight:
+        # serving.context_kv.ContextKVWriter.stack_weights); vLLM then gives it the
         # platform's GEMM like any linear layer. Packed quantized weights can't
         # be sliced: quantized drafts project per layer instead.
         attn = self.layers[0].self_attn
@@ -279,78 +234,6 @@ class DFlashModel(nn.Module):
                 quant_config=None,
                 prefix=f"{prefix}.context_kv_proj",
                 return_bias=False,
-            )
-
-    def project_context_kv(self, target_features: torch.Tensor) -> torch.Tensor:
-        """Raw K/V (before k_norm and RoPE) of context tokens in every layer,
-        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection."""
-        context = self.fc(target_features)
-        norm = self.hidden_norm
-        if norm.has_weight and norm.variance_size_override is None and norm.weight.dtype == context.dtype:
-            # vLLM's RMSNorm math in one native call (the module dispatches ~8
-            # torch ops here, outside any compiled graph).
-            context = ops.rms_norm(context, norm.weight, norm.variance_epsilon)
-        else:
-            context = norm(context)
-        attn = self.layers[0].self_attn
-        if self.context_kv_proj is not None:
-            kv = self.context_kv_proj(context)
-        else:
-            kv = torch.stack([layer.self_attn.project_context_kv(context) for layer in self.layers], dim=1)
-        return kv.view(context.shape[0], len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
-
-    def norm_rope_context_kv(
-        self, kv: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of context tokens in every layer, [n, L, H_kv, d]
-        each, from `project_context_kv`'s output: k_norm with the layers'
-        stacked weights, RoPE at the tokens' positions, in torch (the fused
-        native version is ops.store_context_kv_fused)."""
-        attn = self.layers[0].self_attn
-        n, num_layers = kv.shape[0], kv.shape[1]
-        k, v = kv[:, :, 0], kv[:, :, 1]
-        # k_norm of every layer in one pass (same arithmetic as vLLM's RMSNorm).
-        k32 = k.float()
-        k32 = k32 * torch.rsqrt(k32.pow(2).mean(dim=-1, keepdim=True) + attn.k_norm.variance_epsilon)
-        k = (k32.to(self.k_norm_weight.dtype) * self.k_norm_weight[:, None, :]).to(kv.dtype)
-        # All layers share one RoPE: rotate L * H_kv heads per token in one call.
-        k = _rope_keys(attn.rotary_emb, positions, k.reshape(n, -1).contiguous())
-        return k.view(n, num_layers, attn.num_kv_heads, attn.head_dim), v
-
-    def context_kv(
-        self, target_features: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of context tokens in every layer, [n, L, H_kv, d] each."""
-        return self.norm_rope_context_kv(self.project_context_kv(target_features), positions)
-
-    def fused_context_kv_layout(self, kv_caches: list[torch.Tensor], dtype: torch.dtype) -> str | None:
-        """The cache layout when ops.store_context_kv_fused can do k_norm + RoPE +
-        store of all layers in one call (same backend and cache spec in every
-        layer, table RoPE, unquantized cache in the model dtype), else None."""
-        attns = [layer.self_attn for layer in self.layers]
-        layouts = {a.cache_layout() for a in attns}
-        if len(layouts) != 1 or None in layouts or not _is_table_rope(attns[0].rotary_emb):
-            return None
-        first = kv_caches[0]
-        if first.dim() != 4 or self.k_norm_weight.dtype != dtype:
-            return None
-        if any(c.dtype != dtype or c.shape != first.shape or c.stride() != first.stride() for c in kv_caches):
-            return None
-        return layouts.pop()
-
-    def finish_loading(self) -> None:
-        """After the checkpoint is loaded: fill context_kv_proj with every
-        layer's K/V rows of qkv_proj and stack the layers' k_norm weights."""
-        attns = [layer.self_attn for layer in self.layers]
-        self.k_norm_weight = torch.stack([a.k_norm.weight.data for a in attns])  # [L, d]
-        if self.context_kv_proj is None:
-            return
-        self.context_kv_proj.weight.data.copy_(
-            torch.cat([a.qkv_proj.weight.data[a.q_size :] for a in attns])
-        )
-        if self.context_kv_proj.bias is not None:
-            self.context_kv_proj.bias.data.copy_(
-                torch.cat([a.qkv_proj.bias.data[a.q_size :] for a in attns])
             )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -372,9 +255,7 @@ class DFlashDraftForCausalLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), start_layer_id=self.start_layer_id
         )
         self.lm_head: nn.Module | None = None  # the target's, set by the proposer
-        # (first layer's cache, dtype, ops.store_context_kv_fused arguments or None):
-        # see _fused_context_kv.
-        self._fused_plan: tuple | None = None
+        self.context_kv_writer = ContextKVWriter(self.model)
         self.logits_processor = LogitsProcessor(self.config.vocab_size, scale=getattr(self.config, "logit_scale", 1.0))
 
     def forward(
@@ -388,59 +269,17 @@ class DFlashDraftForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
 
-    def attention_layers(self) -> list[DFlashAttention]:
-        return [layer.self_attn for layer in self.model.layers]
-
     def store_context_kv(
         self,
         target_features: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor | None,
     ) -> None:
-        """Compute context K/V of `target_features` ([n, L*D], the concatenated
-        target hidden states of n tokens) at `positions` and write them into
-        every draft layer's cache at `slot_mapping` (-1 skips a row; None only
-        computes, for memory profiling).
-
-        Per step this is four native calls: the fc GEMM, ops.rms_norm
-        (hidden_norm), the K/V GEMM of all layers, then ops.store_context_kv_fused
-        for k_norm, RoPE and the cache stores of all layers. Backends or RoPE
-        variants the fused op does not cover take the torch path
-        (`norm_rope_context_kv` + per-layer `write_kv`)."""
-        model = self.model
-        kv = model.project_context_kv(target_features)
-        if slot_mapping is not None:
-            fused = self._fused_context_kv(kv)
-            if fused is not None:
-                caches, layout, eps, cos_sin_cache, is_neox = fused
-                key, value = kv.unbind(2)
-                ops.store_context_kv_fused(
-                    key, value, model.k_norm_weight, eps, cos_sin_cache, positions, is_neox, caches, slot_mapping,
-                    layout,
-                )  # fmt: skip
-                return
-        keys, values = model.norm_rope_context_kv(kv, positions)
-        if slot_mapping is None:
-            return
-        for i, attn in enumerate(self.attention_layers()):
-            attn.write_kv(keys[:, i], values[:, i], slot_mapping)
-
-    def _fused_context_kv(self, kv: torch.Tensor) -> tuple | None:
-        """(caches, layout, k_norm eps, cos_sin_cache, neox) for
-        ops.store_context_kv_fused, or None for the unfused path. Decided once (the
-        cos/sin table is a constant), again when vLLM re-binds the caches."""
-        first = self.model.layers[0].self_attn
-        plan = self._fused_plan
-        if plan is None or plan[0] is not first.attn.kv_cache or plan[1] != kv.dtype:
-            caches = [a.attn.kv_cache for a in self.attention_layers()]
-            layout = self.model.fused_context_kv_layout(caches, kv.dtype)
-            args = None
-            if layout is not None:
-                rope = first.rotary_emb
-                cos_sin_cache = rope.cos_sin_cache.to(device=kv.device, dtype=kv.dtype)
-                args = (caches, layout, first.k_norm.variance_epsilon, cos_sin_cache, rope.is_neox_style)
-            plan = self._fused_plan = (caches[0], kv.dtype, args)
-        return plan[2]
+        """Context K/V of `target_features` ([n, L*D], the concatenated target
+        hidden states of n tokens) at `positions`, written into every draft
+        layer's cache at `slot_mapping` (-1 skips a row; None only computes):
+        serving.context_kv.ContextKVWriter.store."""
+        self.context_kv_writer.store(target_features, positions, slot_mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load z-lab names (`fc.weight`, `layers.N.self_attn.q_proj.weight`, ...)."""
@@ -470,7 +309,7 @@ class DFlashDraftForCausalLM(nn.Module):
             else:
                 param.weight_loader(param, tensor, shard_id)
             loaded.add(name)
-        self.model.finish_loading()
+        self.context_kv_writer.stack_weights()
         derived = {n for n in params if n.startswith("model.context_kv_proj.")}
         loaded |= derived
         missing = set(params) - loaded

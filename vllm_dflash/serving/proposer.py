@@ -14,8 +14,8 @@ and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
 2. one forward pass of the query block `[bonus, MASK x k]` at positions
    `[p, p + k]`, bidirectional within the block and over all context.
 3. argmax (or, with vLLM's `draft_sample_method="probabilistic"`, sampled)
-   draft tokens; `keep_draft_probs = True` keeps the draft distribution of the
-   last step in `last_draft_probs` for verifiers that need it.
+   draft tokens; sampled drafts leave their probabilities q for the
+   rejection sampler (vLLM's `take_last_draft_probs()`).
 
 The drafter keeps no per-request state: everything lives in vLLM's block
 tables, so chunked prefill, prefix caching, preemption and requests leaving
@@ -35,8 +35,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash import ops
-from vllm_dflash.serving import profile
+from vllm_dflash import ops, profiler
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 
@@ -58,8 +57,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
         super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
         self.dflash_config = dflash_config_of(spec)
         self.mask_token_id = self.dflash_config.mask_token_id
-        self.keep_draft_probs = False
-        self.last_draft_probs: torch.Tensor | None = None  # [B, k, V] float32
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %d draft tokens per step",
             spec.model,
@@ -84,7 +81,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 f"the draft loaded as {type(model).__name__}; vllm-dflash needs "
                 "architectures=['DFlashDraftModel'] in the draft's config.json"
             )
-        profile.install(self)  # no-op unless VLLM_DFLASH_PROFILE_FILE is set
+        profiler.install_from_env(self)  # no-op unless VLLM_DFLASH_PROFILE_FILE is set
 
     def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
         inner = getattr(target_language_model, "model", None)
@@ -152,7 +149,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
         """
         self.num_speculative_tokens = k = num_speculative_tokens
         self._last_draft_probs = None
-        self.last_draft_probs = None
         cad = common_attn_metadata
         batch_size = next_token_ids.shape[0]
         num_rows = target_positions.shape[0]
@@ -211,26 +207,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
             hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
         # Row 0 of each block is the bonus token; rows 1..k predict the drafts.
         mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * k, -1)
-        draft_ids, probs = self._draft_tokens(mask_hidden, sampling_metadata)
-        if probs is not None:
-            probs = probs.view(batch_size, k, -1)
-            if self.keep_draft_probs:
-                self.last_draft_probs = probs
+        draft_ids = self._draft_tokens(mask_hidden, sampling_metadata)
         return draft_ids.view(batch_size, k)
 
-    def _draft_tokens(
-        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
         """Argmax drafts, or vLLM's probabilistic draft sampling when enabled
-        (then the probabilities also go to vLLM's rejection sampler)."""
+        (then the probabilities go to vLLM's rejection sampler)."""
         if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
             draft_ids, probs = self._sample_draft_tokens(hidden_states, sampling_metadata)
             self._last_draft_probs = probs.view(-1, self.num_speculative_tokens, probs.shape[-1])
-            return draft_ids, probs
+            return draft_ids
         logits = self.model.compute_logits(hidden_states)
-        probs = logits.softmax(dim=-1, dtype=torch.float32) if self.keep_draft_probs else None
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             # CPU argmax over bf16/fp16 is several times slower than converting first
             # (the conversion is exact, so the result and its tie-breaking are the same).
             logits = logits.float()
-        return logits.argmax(dim=-1), probs
+        return logits.argmax(dim=-1)

@@ -9,13 +9,11 @@ not imported here).
 """
 
 from vllm_dflash.ops.reference import PLACEHOLDER_TOKEN_ID
-from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.rejection import draw_noise, rejection_sample, verify
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "draw_noise",
     "rejection_sample",
-    "sample_drafts",
     "verify",
 ]

@@ -162,7 +162,7 @@ def verify(
 
     Per-request [B] parameters; temperature None means every request is greedy.
     draft_probs [T, V] must be the distributions the drafts were sampled from
-    (`vllm_dflash.verifier.draft.sample_drafts`); None means argmax drafts.
+    (sampled at the draft's processed distribution); None means argmax drafts.
     """
     num_draft_tokens = [int(n) for n in num_draft_tokens]
     batch, device = len(num_draft_tokens), target_logits.device

@@ -1,4 +1,7 @@
-"""Draft-token selection for the proposer, in the form the verifier needs.
+"""Draft tokens for the verifier tests, drawn the way a proposer must draw them.
+
+(The serving proposer drafts through vLLM's own draft sampler; these tests
+need the same law with explicit per-request parameters and generators.)
 
 "argmax" drafting proposes each position's most likely token; the verifier
 treats it as a point mass and needs no probabilities. "sample" drafting draws
@@ -16,8 +19,6 @@ import torch
 from vllm_dflash.verifier import sampling_params
 
 DRAFT_SAMPLE_METHODS = ("argmax", "sample")
-# vLLM's SpeculativeConfig.draft_sample_method -> ours.
-FROM_VLLM_DRAFT_SAMPLE_METHOD = {"greedy": "argmax", "probabilistic": "sample"}
 
 
 def sample_drafts(
