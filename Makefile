@@ -15,7 +15,7 @@ $(STAMP): $(SETUP_INPUTS)
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not vllm"

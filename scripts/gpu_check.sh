@@ -92,7 +92,7 @@ fi
 log "running tests/ops (cpu + cuda)"
 if ! "$PY" -c 'import pytest' 2>/dev/null; then
   log "FAIL: pytest is not installed (carry .whl/gpu_check)"; status=1
-elif ! timed tests timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider tests/ops tests/test_training_masks.py -rs; then
+elif ! timed tests timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider tests/ops tests/training/test_training_masks.py -rs; then
   log "FAIL: tests/ops"; status=1
 fi
 

@@ -6,7 +6,7 @@
 
 Both proposers serve the same random target and the same random draft (all
 layers share one k_norm weight: vLLM 0.32's CPU in-tree path applies layer 0's
-k_norm to every layer, see tests/test_serving_e2e.py), so they draft the same
+k_norm to every layer, see tests/serving/test_intree_compat.py), so they draft the same
 tokens and take the same number of steps. Each (impl, mode) runs one engine in
 its own process (VLLM_DFLASH_IMPL picks the proposer at plugin load) with one
 OpenMP thread; the engine serves every batch size, and by default the

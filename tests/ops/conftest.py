@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from limits import HANG_GUARD_S
 
 from vllm_dflash import envs, ops
 
@@ -44,7 +45,7 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def run_cuda_script(code: str) -> subprocess.CompletedProcess:
     """Run code in a fresh process: a failed device-side assert poisons the CUDA context."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 # Helpers as fixtures: test modules here cannot import this conftest by name

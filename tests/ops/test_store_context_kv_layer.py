@@ -1,6 +1,6 @@
 """store_context_kv_layer: native CPU/CUDA kernels against the torch reference, bit for bit.
 
-That the layouts are vLLM's own is proven against vLLM in tests/test_kv_layout_vllm.py.
+That the layouts are vLLM's own is proven against vLLM in tests/ops/test_kv_layout_vllm.py.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+from limits import HANG_GUARD_S
 
 import vllm_dflash
 from vllm_dflash import envs, patches
@@ -182,7 +183,7 @@ def test_model_runner_of_needs_an_in_process_engine():
 
 
 def test_register_prints_as_a_table():
-    proc = subprocess.run([sys.executable, "-m", "vllm_dflash.patches"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "vllm_dflash.patches"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
     assert len(rows) == len(patches.REGISTER)
@@ -198,7 +199,7 @@ def _run_register(impl: str) -> subprocess.CompletedProcess:
     import os
 
     env = dict(os.environ, VLLM_DFLASH_IMPL=impl)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_impl_vllm_keeps_the_in_tree_dflash():

@@ -69,7 +69,7 @@ def per_draft_token(values: torch.Tensor | None, metadata: SpecDecodeMetadata, n
 # backend) returns uninitialized memory, so apply_sampling_constraints divides the
 # target logits of draft positions by garbage temperatures; sampled (T > 0) requests
 # then get neither the target's distribution nor sensible acceptance. Measured in
-# README "Results"; tests/test_vllm_cpu_expand_bug.py fails once vLLM fixes it.
+# README "Results"; tests/verifier/test_vllm_cpu_expand_bug.py fails once vLLM fixes it.
 VLLM_CPU_SAMPLED_VERIFY_WARNING = (
     "vLLM's own rejection sampler verifies DFlash here; on CPU vLLM 0.32 scales the target logits of "
     "draft positions by uninitialized temperatures (expand_batch_to_tokens), so sampled (T > 0) "

@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from vllm_dflash.reference import TargetFeatures, load_draft, new_draft_config, save_draft
 from vllm_dflash.reference.model import DFlashDraftModel
 
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

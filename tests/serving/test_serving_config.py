@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_dflash.serving import draft_resolution
 from vllm_dflash.serving.draft_resolution import (

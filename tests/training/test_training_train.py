@@ -22,7 +22,6 @@ from vllm_dflash.training.export import draft_from_checkpoint, export_draft
 from vllm_dflash.training.features import build_feature_cache
 from vllm_dflash.training.trainer import TrainConfig, Trainer
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 BLOCK = 8
 CYCLE = 16
 

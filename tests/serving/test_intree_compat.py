@@ -24,27 +24,29 @@ import sys
 
 import pytest
 import torch
+from limits import HANG_GUARD_S
 
 pytestmark = pytest.mark.vllm
 
 BLOCK_SIZE = 8
 NEW_TOKENS = 48
 NUM_PROMPTS = 3
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _serve_in_tree(
     target_dir: str, draft_dir: str, prompts: list[list[int]], out_path: str
 ) -> None:
     """Subprocess body: in-tree DFlash, one request at a time, then a batch."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from engines import in_process_engine
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     from vllm_dflash.patches import model_runner_of
 
-    llm = LLM(
+    with in_process_engine(
         model=target_dir,
         speculative_config={
             "method": "dflash",
@@ -54,37 +56,36 @@ def _serve_in_tree(
         skip_tokenizer_init=True,
         dtype="float32",
         enforce_eager=True,
-        gpu_memory_utilization=0.5,
         max_model_len=512,
         max_num_seqs=8,
         seed=0,
-    )
-    runner = model_runner_of(llm)
-    drafter = runner.drafter
-    steps: list[list[int]] = []
-    propose = drafter.propose
+    ) as llm:
+        runner = model_runner_of(llm)
+        drafter = runner.drafter
+        steps: list[list[int]] = []
+        propose = drafter.propose
 
-    def recording_propose(*args, **kwargs):
-        draft_ids = propose(*args, **kwargs)
-        steps.append(draft_ids[0].tolist())
-        return draft_ids
+        def recording_propose(*args, **kwargs):
+            draft_ids = propose(*args, **kwargs)
+            steps.append(draft_ids[0].tolist())
+            return draft_ids
 
-    drafter.propose = recording_propose
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    single = []
-    for prompt in prompts:
-        steps.clear()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        single.append({"output": list(out[0].outputs[0].token_ids), "drafts": list(steps)})
-    batch = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-    )
-    result = {
-        "drafter_class": type(drafter) is DFlashProposer,
-        "draft_model_class": type(drafter.model) is DFlashQwen3ForCausalLM,
-        "single": single,
-        "batch": [list(o.outputs[0].token_ids) for o in batch],
-    }
+        drafter.propose = recording_propose
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        single = []
+        for prompt in prompts:
+            steps.clear()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            single.append({"output": list(out[0].outputs[0].token_ids), "drafts": list(steps)})
+        batch = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        result = {
+            "drafter_class": type(drafter) is DFlashProposer,
+            "draft_model_class": type(drafter.model) is DFlashQwen3ForCausalLM,
+            "single": single,
+            "batch": [list(o.outputs[0].token_ids) for o in batch],
+        }
     with open(out_path, "w") as f:
         json.dump(result, f)
 
@@ -111,13 +112,12 @@ def served(tmp_path_factory):
     out_path = str(root / "intree.json")
     env = dict(
         os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_DFLASH_IMPL="vllm",
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
     )
     args = [sys.executable, __file__, target_dir, draft_dir, json.dumps(prompts), out_path]
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     if proc.returncode != 0:
         pytest.fail(f"in-tree DFlash run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     with open(out_path) as f:
@@ -181,4 +181,5 @@ def test_vllm_cpu_grouped_rms_norm_uses_first_row():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(REPO, "tests"))  # engines, as conftest.py does for the tests
     _serve_in_tree(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])

@@ -7,7 +7,6 @@ from helpers import correlate_pair, random_draft, random_prompts, tiny_target
 
 from vllm_dflash.reference import spec_decode, spec_generate, target_greedy_generate
 
-torch.set_num_threads(1)
 
 NEW_TOKENS = 40
 

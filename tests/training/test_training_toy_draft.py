@@ -9,10 +9,9 @@ import torch
 from vllm_dflash import zoo
 from vllm_dflash.config import default_target_layer_ids, validate_draft_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(REPO, "models", "toy-target")
 DRAFT = os.path.join(REPO, "models", "toy-draft")
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 # Measured 2.59 for the committed draft on this setting; a random draft gets exactly 1.0.
 TAU_FLOOR = 2.0
 

@@ -26,13 +26,8 @@ drafter (models/toy-draft) when it is there, else a random draft for it;
 
 from __future__ import annotations
 
-import gc
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
+from engines import in_process_engine
 from serving_pairs import TOY_TARGET, check_spec_metrics, delta, spec_metrics_from_llm, toy_pair, toy_prompts
 
 EPS = 0.25
@@ -45,9 +40,6 @@ pytestmark = pytest.mark.vllm
 
 def run_engine(target_dir: str, draft_dir: str | None, work) -> dict:
     """Build one engine, run work(llm) -> dict, shut the engine down (one engine alive at a time)."""
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-
     kwargs = dict(
         model=target_dir,
         dtype="bfloat16",
@@ -55,18 +47,12 @@ def run_engine(target_dir: str, draft_dir: str | None, work) -> dict:
         max_model_len=512,
         max_num_seqs=32,
         enforce_eager=True,
-        gpu_memory_utilization=0.5,
         disable_log_stats=False,
     )
     if draft_dir is not None:
         kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K}
-    llm = LLM(**kwargs)
-    try:
+    with in_process_engine(**kwargs) as llm:
         return work(llm)
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
 
 
 def top2(logprobs: dict) -> list[tuple[int, float]]:

@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from limits import HANG_GUARD_S
 
 import vllm_dflash
 
 
 def _fresh_python(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
 

@@ -37,15 +37,11 @@ request's prefill is split (Generator.set_offset, gpu_model_runner).
 
 from __future__ import annotations
 
-import gc
-import os
 import time
 from collections import Counter
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # runner reachable in-process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
+from engines import in_process_engine
 from serving_pairs import (
     TINY_VOCAB,
     TOY_TARGET,
@@ -123,8 +119,7 @@ class DraftProbsProbe:
 
 
 def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=()):
-    from vllm import LLM, SamplingParams
-    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_dflash.patches import model_runner_of
@@ -141,15 +136,13 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
         enable_prefix_caching=True,
         block_size=32,
         enforce_eager=True,
-        gpu_memory_utilization=0.5,
         disable_log_stats=False,
     )
     if mode is not None:
         kwargs["speculative_config"] = {
             "method": "dflash", "model": draft_dir, "num_speculative_tokens": K, "draft_sample": mode}
-    llm = LLM(**kwargs)
     result = {}
-    try:
+    with in_process_engine(**kwargs) as llm:
         runner = model_runner_of(llm)
         probe = DraftProbsProbe(runner) if mode is not None else None
         before = spec_metrics_from_llm(llm) if mode is not None else None
@@ -172,10 +165,6 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
             result["metrics"] = delta(spec_metrics_from_llm(llm), before)
             result["probe"] = probe
             result["draft_sample_method"] = llm.llm_engine.vllm_config.speculative_config.draft_sample_method
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
     return result
 
 

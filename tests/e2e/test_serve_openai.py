@@ -27,6 +27,7 @@ import time
 import urllib.request
 
 import pytest
+from limits import HANG_GUARD_S
 from serving_pairs import (
     TOY_TARGET,
     check_spec_metrics,
@@ -40,8 +41,6 @@ from serving_pairs import (
 K = 4
 MAX_TOKENS = 40
 NUM_PROMPTS = 6
-STARTUP_TIMEOUT_S = 420
-REQUEST_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.vllm
 
@@ -117,7 +116,7 @@ class Server:
             if self.healthy():
                 return
             time.sleep(1.0)
-        raise TimeoutError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
+        raise TimeoutError(f"vllm serve not healthy after {HANG_GUARD_S} s:\n{self.log_tail()}")
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
@@ -126,7 +125,7 @@ class Server:
     def client(self):
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=HANG_GUARD_S, max_retries=0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -150,7 +149,7 @@ def servers(tmp_path_factory):
         started.append(spec)
         plain = Server(target_dir, str(root / "plain.log"), None)
         started.append(plain)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + HANG_GUARD_S
         for server in started:
             server.wait_healthy(deadline)
         yield {"dflash": spec, "plain": plain}

@@ -13,7 +13,6 @@ from vllm_dflash.training import features as features_mod
 from vllm_dflash.training.data import Sample, load_prompts, usable
 from vllm_dflash.training.features import FeatureCache, build_feature_cache
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def test_prompt_files(tmp_path):

@@ -10,13 +10,8 @@ correlated random draft (drafts get accepted), k=4, greedy, in-process.
 
 from __future__ import annotations
 
-import gc
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
+from engines import in_process_engine
 from serving_pairs import PER_POS, TINY_VOCAB, check_spec_metrics, delta, spec_metrics_from_llm, tiny_pair
 
 K = 4
@@ -28,11 +23,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-
     target_dir, draft_dir = tiny_pair(str(tmp_path_factory.mktemp("metrics")))
-    engine = LLM(
+    with in_process_engine(
         model=target_dir,
         skip_tokenizer_init=True,
         dtype="float32",
@@ -40,14 +32,10 @@ def llm(tmp_path_factory):
         max_model_len=256,
         max_num_seqs=8,
         enforce_eager=True,
-        gpu_memory_utilization=0.5,
         disable_log_stats=False,  # LLM turns stats off by default: no metrics without this
         speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": K},
-    )
-    yield engine
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    ) as engine:
+        yield engine
 
 
 def generate(llm, prompts, max_tokens):

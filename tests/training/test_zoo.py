@@ -16,7 +16,7 @@ from vllm_dflash.zoo import corpus as corpus_mod
 from vllm_dflash.zoo import math_problems
 from vllm_dflash.zoo.tokenizer import render_chat
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(ROOT, "models", "toy-target")
 MODULE_RE = re.compile(r"`([\w.]+)`")
 
@@ -83,7 +83,6 @@ def smoke(tmp_path_factory):
     from vllm_dflash.zoo.train_target import build, smoke_config
 
     out = str(tmp_path_factory.mktemp("zoo") / "smoke-target")
-    torch.set_num_threads(1)
     return out, build(smoke_config(out))
 
 

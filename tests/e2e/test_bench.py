@@ -23,12 +23,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from limits import HANG_GUARD_S
 
 from vllm_dflash.bench import cli, metrics, prompts
 from vllm_dflash.bench.runner import batches_for, mode_env, speculative_config
 from serving_pairs import TOY_DRAFT, TOY_TARGET
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -321,7 +322,7 @@ def test_bench_end_to_end(tmp_path):
            "--dtype", "float32", "--enforce-eager", "--draft-cost", "--draft-cost-blocks", "4,8", "--draft-cost-layers", "1,2",
            "--draft-cost-iters", "2", "--draft-cost-threads", "1", "--out", str(out)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "out tok/s" in proc.stdout and "dflash-vllm" in proc.stdout
 

@@ -28,17 +28,17 @@ checked against the reference.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from limits import HANG_GUARD_S
 
 from vllm_dflash import envs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 VOCAB = 256
@@ -50,14 +50,6 @@ COMPILED_K = 15  # this engine runs vLLM's default torch.compile path (the draft
 ORACLE_K = 7
 
 pytestmark = pytest.mark.vllm
-
-ENGINE_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
-
-
-def set_engine_env() -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in-process: runner reachable
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 
 def build_models(root: str) -> dict[str, str]:
     """target, draft (distinct k_norms) and draft_shared_knorm folders under root."""
@@ -109,7 +101,6 @@ def engine_kwargs(target_dir: str, draft_dir: str, k: int | None) -> dict:
         num_gpu_blocks_override=14,  # ~13 usable blocks for 8 requests: forces preemption
         enable_prefix_caching=True,
         enforce_eager=k != COMPILED_K,
-        gpu_memory_utilization=0.5,
     )
     if k is not None:
         kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": k}
@@ -161,13 +152,16 @@ def generate(llm, prompts, max_tokens):
 
 def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long")) -> dict:
     """Run the workload on one engine; returns outputs, drafter facts and proposals."""
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
+    from engines import in_process_engine
 
+    with in_process_engine(**engine_kwargs(target_dir, draft_dir, k)) as llm:
+        return _run_workload(llm, k, phases)
+
+
+def _run_workload(llm, k: int | None, phases) -> dict:
     from vllm_dflash.patches import model_runner_of
 
     prompts, max_tokens, long_prompt = workload()
-    llm = LLM(**engine_kwargs(target_dir, draft_dir, k))
     core = llm.llm_engine.engine_core.engine_core  # the scheduler, for preemptions
     runner = model_runner_of(llm)
     preemptions = []
@@ -186,26 +180,20 @@ def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8",
         model = drafter.model.unwrap() if hasattr(drafter.model, "unwrap") else drafter.model
         result["draft_model"] = f"{type(model).__module__}.{type(model).__qualname__}"
         recorder = ProposalRecorder(runner, prompts + [long_prompt])
-    try:
-        for phase in phases:
-            start = len(recorder.calls) if recorder else 0
-            if phase == "batch8":  # max_num_seqs=8: up to 8 requests per step
-                result[phase], _ = generate(llm, prompts, max_tokens)
-            elif phase == "batch1":  # one request at a time
-                result[phase] = [generate(llm, [p], [m])[0][0] for p, m in zip(prompts, max_tokens)]
-            elif phase == "long":  # chunked prefill, then the same prompt again: prefix-cache hit
-                first, _ = generate(llm, [long_prompt], [24])
-                second, cached = generate(llm, [long_prompt], [24])
-                result[phase] = first + second
-                result["long_cached_tokens"] = cached[0]
-            if recorder:
-                result[f"proposals_{phase}"] = recorder.calls[start:]
-        result["preemptions"] = len(preemptions)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm, core, runner
-        gc.collect()
-        cleanup_dist_env_and_memory()
+    for phase in phases:
+        start = len(recorder.calls) if recorder else 0
+        if phase == "batch8":  # max_num_seqs=8: up to 8 requests per step
+            result[phase], _ = generate(llm, prompts, max_tokens)
+        elif phase == "batch1":  # one request at a time
+            result[phase] = [generate(llm, [p], [m])[0][0] for p, m in zip(prompts, max_tokens)]
+        elif phase == "long":  # chunked prefill, then the same prompt again: prefix-cache hit
+            first, _ = generate(llm, [long_prompt], [24])
+            second, cached = generate(llm, [long_prompt], [24])
+            result[phase] = first + second
+            result["long_cached_tokens"] = cached[0]
+        if recorder:
+            result[f"proposals_{phase}"] = recorder.calls[start:]
+    result["preemptions"] = len(preemptions)
     return result
 
 
@@ -263,19 +251,6 @@ def reference_drafts(models: dict[str, str], draft_name: str, calls, sequences: 
 # ------------------------------------------------------------------ fixtures --
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engine_env():
-    """In-process engines for this module only (other modules may want subprocess engines)."""
-    saved = {key: os.environ.get(key) for key in ENGINE_ENV}
-    set_engine_env()
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return build_models(str(tmp_path_factory.mktemp("dflash_e2e")))
@@ -299,7 +274,7 @@ def in_tree(models, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("in_tree") / "in_tree.json")
     env = dict(os.environ, VLLM_DFLASH_IMPL="vllm", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.abspath(__file__), models["target"], models[draft_for(ORACLE_K)], str(ORACLE_K), out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:
         return json.load(f)
@@ -382,7 +357,6 @@ def test_draft_tokens_equal_in_tree_dflash(baseline, plugin, in_tree):
 if __name__ == "__main__":  # oracle mode: python test_serving_e2e.py TARGET DRAFT K OUT.json
     target_dir, draft_dir, k, out_path = sys.argv[1:5]
     assert envs.VLLM_DFLASH_IMPL == "vllm"
-    set_engine_env()
     res = run_engine(target_dir, draft_dir, int(k), phases=("batch8",))
     with open(out_path, "w") as f:
         json.dump(res, f)

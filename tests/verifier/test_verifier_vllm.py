@@ -18,18 +18,9 @@ the verifier). Oracle: the target's own greedy decoding in transformers.
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # runner reachable in-process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+from engines import in_process_engine
 
 VOCAB = 256
 BLOCK_SIZE = 8
@@ -80,18 +71,22 @@ class VerifierCalls:
 
 def run_engine(target_dir, draft_dir, prompts, k, draft_sample_method):
     """Four workloads on one engine; returns their outputs and what the verifier saw."""
-    from vllm import LLM, SamplingParams
-    from vllm.distributed import cleanup_dist_env_and_memory
-    from vllm.inputs import TokensPrompt
-
     from vllm_dflash.patches import model_runner_of
     from vllm_dflash.verifier.sampler import DFlashRejectionSampler
 
-    llm = LLM(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
-              max_num_seqs=8, enforce_eager=True, gpu_memory_utilization=0.5,
-              speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
-                                  "draft_sample_method": draft_sample_method})
-    runner = model_runner_of(llm)
+    with in_process_engine(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
+                           max_num_seqs=8, enforce_eager=True,
+                           speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
+                                               "draft_sample_method": draft_sample_method}) as llm:
+        result = _workloads(llm, model_runner_of(llm), prompts)
+    assert result["sampler"] is DFlashRejectionSampler
+    return result
+
+
+def _workloads(llm, runner, prompts) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def generate(params):
@@ -109,27 +104,19 @@ def run_engine(target_dir, draft_dir, prompts, k, draft_sample_method):
     seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
     mixed = [greedy, top1, min_p1, seeded[3], seeded[4], seeded[5]][: len(prompts)]
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            calls = VerifierCalls(mp)
-            result = dict(
-                sampler=type(runner.rejection_sampler),
-                use_dflash=getattr(runner.rejection_sampler, "use_dflash", False),
-                greedy=generate(greedy),
-                greedy_logprobs=generate_with_logprobs(
-                    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)),
-                mixed=generate(mixed),
-                seeded=generate(seeded),
-                seeded_again=generate(seeded),
-                calls=calls.calls,
-            )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm, runner
-        gc.collect()
-        cleanup_dist_env_and_memory()
-    assert result["sampler"] is DFlashRejectionSampler
-    return result
+    with pytest.MonkeyPatch.context() as mp:
+        calls = VerifierCalls(mp)
+        return dict(
+            sampler=type(runner.rejection_sampler),
+            use_dflash=getattr(runner.rejection_sampler, "use_dflash", False),
+            greedy=generate(greedy),
+            greedy_logprobs=generate_with_logprobs(
+                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)),
+            mixed=generate(mixed),
+            seeded=generate(seeded),
+            seeded_again=generate(seeded),
+            calls=calls.calls,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import HANG_GUARD_S
 
 from vllm_dflash import envs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "nvcc_check.sh"
 
 
@@ -31,7 +32,7 @@ def nvcc() -> str:
 
 def _run(script: Path, python: str, nvcc: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=python, NVCC=nvcc)
-    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_cuda_sources_compile(nvcc):

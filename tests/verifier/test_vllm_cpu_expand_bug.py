@@ -17,11 +17,6 @@ correctly: then drop the warning and the README note.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # runner reachable in-process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -31,8 +26,9 @@ pytestmark = pytest.mark.vllm
 def expand_calls():
     import torch
     import vllm.v1.sample.rejection_sampler as rs
+    from engines import in_process_engine
     from serving_pairs import TOY_DRAFT, TOY_TARGET
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_dflash.patches import model_runner_of
 
@@ -50,12 +46,12 @@ def expand_calls():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_DFLASH_VERIFIER", "vllm")
         try:
-            llm = LLM(TOY_TARGET, dtype="float32", max_model_len=512, gpu_memory_utilization=0.5, enforce_eager=True,
-                      seed=0, speculative_config={"method": "dflash", "model": TOY_DRAFT, "num_speculative_tokens": 3})
-            runner = model_runner_of(llm)
-            assert runner.rejection_sampler.use_dflash is False  # vLLM's verifier serves
-            llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1), use_tqdm=False)
-            del llm
+            with in_process_engine(model=TOY_TARGET, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+                                   speculative_config={"method": "dflash", "model": TOY_DRAFT,
+                                                       "num_speculative_tokens": 3}) as llm:
+                assert model_runner_of(llm).rejection_sampler.use_dflash is False  # vLLM's verifier serves
+                llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1),
+                             use_tqdm=False)
         finally:
             rs.expand_batch_to_tokens = original
     return calls

@@ -2,7 +2,6 @@
 (query, key) pair of a small example, flex attention == SDPA, and the packed
 training forward == the drafter's inference-time forward, block by block."""
 
-import os
 import warnings
 
 import pytest
@@ -13,7 +12,6 @@ from helpers import random_draft, tiny_target
 from vllm_dflash.training.masks import block_position_ids, dense_mask, flex_block_mask
 from vllm_dflash.training.trainer import draft_blocks
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def test_every_pair_of_a_small_packed_example():
