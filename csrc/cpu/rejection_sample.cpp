@@ -1,9 +1,10 @@
 // Rejection-sampling verifier on CPU: torch.ops.vllm_dflash.rejection_sample.
 //
 // Same semantics as vllm_dflash/ops/reference.py (rejection_sample_ref), which
-// documents them; the tests check this kernel against it bit for bit. The accept
-// loop of a row is csrc/rejection_row.h, shared with the CUDA kernel; this file
-// supplies its CPU reductions. Rows (requests) run in parallel with at::parallel_for (OpenMP in PyTorch's CPU builds, sized by
+// documents them; the tests check this kernel against it bit for bit. The
+// accept loop of a row is csrc/rejection_row.h, shared with the CUDA kernel;
+// this file supplies its CPU reductions. Rows (requests) run in parallel with
+// at::parallel_for (OpenMP in PyTorch's CPU builds, sized by
 // torch.set_num_threads). A row visits its draft positions in order and stops
 // at the first rejection, so it reads one target row per visited position (the
 // whole row only for greedy argmax) plus one full row for the recovery or bonus
