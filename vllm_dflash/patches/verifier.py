@@ -67,6 +67,8 @@ ENTRIES: list[VllmInternal] = [
         how="rebind the runner module's name to vllm_dflash.verifier.sampler.DFlashRejectionSampler",
         remove_when="vLLM's rejection sampler applies min-p at draft positions and verifies sampled drafts "
         "correctly on CPU (vLLM 0.32's CPU expand_batch_to_tokens returns uninitialized temperatures)",
+        upstream="vllm-project/vllm#42744 (min-p skipped at draft positions), "
+        "vllm-project/vllm#42638 (expand_batch_to_tokens on CPU)",
         params=("self", "sampler", "spec_config", "device"),
         original="vllm.v1.sample.rejection_sampler:RejectionSampler",
         ours="vllm_dflash.verifier.sampler:DFlashRejectionSampler",
@@ -83,6 +85,7 @@ ENTRIES: list[VllmInternal] = [
         "positions; ours applies it, so min_p is allowed when ours verifies",
         how="wrap: return early when our verifier serves and no logit_bias is set",
         remove_when="vLLM's rejection sampler applies min-p at draft positions",
+        upstream="vllm-project/vllm#42744, vllm-project/vllm#42802 (the guard came with #31982)",
         params=("self", "speculative_config"),
         used_by="vllm.sampling_params:SamplingParams",
         usage=("self._validate_spec_decode(speculative_config)",),
@@ -98,6 +101,7 @@ ENTRIES: list[VllmInternal] = [
         "reads its per-request values)",
         how="wrap: append MinPLogitsProcessor(vllm_config, device, is_pin_memory) when our verifier serves",
         remove_when="with the _validate_spec_decode patch",
+        upstream="vllm-project/vllm#42744",
         params=("vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs"),
         used_by=RUNNER,
         usage=("build_logitsprocs(",),
