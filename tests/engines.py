@@ -1,9 +1,10 @@
 """The one engine factory of the engine tests.
 
-`in_process_engine(**llm_kwargs)` builds a vLLM `LLM` whose engine core and
-worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for the
-engine's lifetime only), so a test reaches its runner, drafter and samplers
-through `vllm_dflash.patches.model_runner_of`. On exit the engine is shut
+`vllm_engine(**llm_kwargs)` builds a vLLM `LLM` whose engine core and worker
+run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for the engine's
+lifetime only), so a test reaches its runner, drafter and samplers through
+`vllm_dflash.patches.model_runner_of`; `in_process=False` gives vLLM's
+default, an engine-core process with its workers. On exit the engine is shut
 down and vLLM's process state is reset (its environment cache, distributed
 state), so the next engine of the module, or of the next module, starts
 clean. Engines start in ~25 s or more: a module shares one engine (a
@@ -26,13 +27,13 @@ DEFAULTS = {
 
 
 @contextlib.contextmanager
-def in_process_engine(**llm_kwargs: Any) -> Iterator[Any]:
+def vllm_engine(*, in_process: bool = True, **llm_kwargs: Any) -> Iterator[Any]:
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
     gc.collect()  # a previous engine the caller still referenced is garbage by now
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
         llm = LLM(**{**DEFAULTS, **llm_kwargs})
         try:
             yield llm

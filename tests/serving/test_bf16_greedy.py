@@ -27,7 +27,7 @@ drafter (models/toy-draft) when it is there, else a random draft for it;
 from __future__ import annotations
 
 import pytest
-from engines import in_process_engine
+from engines import vllm_engine
 from serving_pairs import TOY_TARGET, check_spec_metrics, delta, spec_metrics_from_llm, toy_pair, toy_prompts
 
 EPS = 0.25
@@ -51,7 +51,7 @@ def run_engine(target_dir: str, draft_dir: str | None, work) -> dict:
     )
     if draft_dir is not None:
         kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K}
-    with in_process_engine(**kwargs) as llm:
+    with vllm_engine(**kwargs) as llm:
         return work(llm)
 
 

@@ -41,12 +41,12 @@ def _serve_in_tree(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
-    from engines import in_process_engine
+    from engines import vllm_engine
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     from vllm_dflash.patches import model_runner_of
 
-    with in_process_engine(
+    with vllm_engine(
         model=target_dir,
         speculative_config={
             "method": "dflash",

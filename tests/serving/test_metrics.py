@@ -11,7 +11,7 @@ correlated random draft (drafts get accepted), k=4, greedy, in-process.
 from __future__ import annotations
 
 import pytest
-from engines import in_process_engine
+from engines import vllm_engine
 from serving_pairs import PER_POS, TINY_VOCAB, check_spec_metrics, delta, spec_metrics_from_llm, tiny_pair
 
 K = 4
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     target_dir, draft_dir = tiny_pair(str(tmp_path_factory.mktemp("metrics")))
-    with in_process_engine(
+    with vllm_engine(
         model=target_dir,
         skip_tokenizer_init=True,
         dtype="float32",

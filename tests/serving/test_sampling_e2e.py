@@ -41,7 +41,7 @@ import time
 from collections import Counter
 
 import pytest
-from engines import in_process_engine
+from engines import vllm_engine
 from serving_pairs import (
     TINY_VOCAB,
     TOY_TARGET,
@@ -142,7 +142,7 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
         kwargs["speculative_config"] = {
             "method": "dflash", "model": draft_dir, "num_speculative_tokens": K, "draft_sample": mode}
     result = {}
-    with in_process_engine(**kwargs) as llm:
+    with vllm_engine(**kwargs) as llm:
         runner = model_runner_of(llm)
         probe = DraftProbsProbe(runner) if mode is not None else None
         before = spec_metrics_from_llm(llm) if mode is not None else None

@@ -152,9 +152,9 @@ def generate(llm, prompts, max_tokens):
 
 def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long")) -> dict:
     """Run the workload on one engine; returns outputs, drafter facts and proposals."""
-    from engines import in_process_engine
+    from engines import vllm_engine
 
-    with in_process_engine(**engine_kwargs(target_dir, draft_dir, k)) as llm:
+    with vllm_engine(**engine_kwargs(target_dir, draft_dir, k)) as llm:
         return _run_workload(llm, k, phases)
 
 

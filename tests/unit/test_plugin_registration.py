@@ -55,26 +55,15 @@ def test_register_runs_in_vllm_worker(tmp_path, monkeypatch):
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
     monkeypatch.setenv("VLLM_DFLASH_REGISTER_MARKER_DIR", str(marker_dir))
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     # collective_rpc ships _worker_pid to the worker by pickle.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     target_dir = save_target(tiny_target(), tmp_path / "target")
 
-    from vllm import LLM
+    from engines import vllm_engine
 
-    llm = LLM(
-        model=target_dir,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        gpu_memory_utilization=0.5,
-        max_num_seqs=4,
-    )
-    try:
+    with vllm_engine(in_process=False, model=target_dir, skip_tokenizer_init=True, dtype="float32",
+                     enforce_eager=True, max_model_len=256, max_num_seqs=4) as llm:
         worker_pids = llm.collective_rpc(_worker_pid)
-    finally:
-        del llm
     assert worker_pids and all(pid != os.getpid() for pid in worker_pids)
     registered = {int(p.name.split(".")[1]): p.read_text() for p in marker_dir.iterdir()}
     for pid in worker_pids:

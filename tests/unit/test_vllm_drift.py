@@ -178,7 +178,7 @@ def test_register_is_idempotent_and_installs_the_plugin():
     assert ModelRegistry._try_load_model_cls("DFlashDraftModel") is DFlashDraftForCausalLM
 
 
-def test_model_runner_of_needs_an_in_process_engine():
+def test_model_runner_of_needs_an_vllm_engine():
     assert patches.model_runner_of(object()) is None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import in_process_engine
+from engines import vllm_engine
 
 VOCAB = 256
 BLOCK_SIZE = 8
@@ -74,7 +74,7 @@ def run_engine(target_dir, draft_dir, prompts, k, draft_sample_method):
     from vllm_dflash.patches import model_runner_of
     from vllm_dflash.verifier.sampler import DFlashRejectionSampler
 
-    with in_process_engine(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
+    with vllm_engine(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
                            max_num_seqs=8, enforce_eager=True,
                            speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
                                                "draft_sample_method": draft_sample_method}) as llm:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.vllm
 def expand_calls():
     import torch
     import vllm.v1.sample.rejection_sampler as rs
-    from engines import in_process_engine
+    from engines import vllm_engine
     from serving_pairs import TOY_DRAFT, TOY_TARGET
     from vllm import SamplingParams
 
@@ -46,7 +46,7 @@ def expand_calls():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_DFLASH_VERIFIER", "vllm")
         try:
-            with in_process_engine(model=TOY_TARGET, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+            with vllm_engine(model=TOY_TARGET, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
                                    speculative_config={"method": "dflash", "model": TOY_DRAFT,
                                                        "num_speculative_tokens": 3}) as llm:
                 assert model_runner_of(llm).rejection_sampler.use_dflash is False  # vLLM's verifier serves
