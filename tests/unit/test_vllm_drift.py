@@ -9,15 +9,21 @@ calls an override or patched name (`used_by` / `usage`), so an override cannot
 silently stop being called; a mirrored rule's source still states it; read
 attributes are still set by vLLM.
 
-`._private` accesses on vLLM objects found by grep and left out of the
-register on purpose: none in vllm_dflash/ (each one is an entry: the
-proposer's _create_draft_vllm_config, _maybe_share_*, _sample_draft_tokens,
-_enable_probabilistic_draft_probs, _last_draft_probs, _draft_attn_layer_names;
-the sampler's _get_logprobs_tensors; the runner's _model_forward; the patched
+`._private` accesses found by grep (`grep -rnE "\\._[a-z]" vllm_dflash`)
+and left out of the register on purpose: none on vLLM objects in
+vllm_dflash/ (each one is an entry: the proposer's _create_draft_vllm_config,
+_maybe_share_*, _sample_draft_tokens, _enable_probabilistic_draft_probs,
+_last_draft_probs, _draft_attn_layer_names; the sampler's
+_get_logprobs_tensors; the runner's _model_forward; the patched
 _validate_spec_decode and _get_v2_model_runner_unsupported_features; the
-mirrored _get_attn_isa). `torch.cpu._is_amx_tile_supported` is torch's, and
-`config._attn_implementation` (zoo) is transformers'. Tests reach the same
-internals through `model_runner_of` and these entries.
+mirrored _get_attn_isa). Not vLLM's: `torch.cpu._is_amx_tile_supported` and
+`torch._C._dispatch_has_kernel_for_dispatch_key` (torch), `config._attn_implementation`
+(transformers, zoo), `drafter._draft_tokens` (ours). In tests only, not in
+the plugin: tests/ops/test_kv_layout_vllm.py calls vLLM's CPU kernel with
+the layer attributes it reads (`_k_scale`, `_k_scale_float`, `_get_attn_isa`),
+and tests/serving/test_serving_e2e.py counts preemptions through
+`scheduler._preempt_request`; both tests fail on their own when these move
+(no kernel output / `preemptions > 0` fails).
 """
 
 from __future__ import annotations

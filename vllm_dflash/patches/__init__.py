@@ -24,9 +24,11 @@ function that is idempotent (`internal.wrap_once` marks what it wraps).
 Left out on purpose: vLLM's public API used as documented (LLM,
 SamplingParams fields, EngineArgs, layers and loaders that vLLM's own model
 files use the same way, e.g. QKVParallelLinear, get_rope, default_weight_loader,
-support_torch_compile); `torch.cpu._is_amx_tile_supported` (torch's, not
-vLLM's; named in the _get_attn_isa mirror); tests' own peeks at engine state,
-which go through `model_runner_of` and the entries above.
+support_torch_compile); torch's own private helpers
+(`torch.cpu._is_amx_tile_supported`, named in the _get_attn_isa mirror;
+`torch._C._dispatch_has_kernel_for_dispatch_key` in ops.dispatch); tests'
+own peeks at engine state (tests/unit/test_vllm_drift.py lists them), which
+fail in the tests that make them.
 """
 
 from __future__ import annotations
