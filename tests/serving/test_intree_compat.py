@@ -24,7 +24,6 @@ import sys
 
 import pytest
 import torch
-from limits import HANG_GUARD_S
 
 pytestmark = pytest.mark.vllm
 
@@ -93,6 +92,7 @@ def _serve_in_tree(
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(target, draft, prompts, in-tree results) for one in-tree engine run."""
+    from limits import HANG_GUARD_S  # imported here: this file also runs as a script
     from helpers import correlate_pair, random_draft, random_prompts, save_pair, tiny_target
 
     root = tmp_path_factory.mktemp("intree")

@@ -34,7 +34,6 @@ import subprocess
 import sys
 
 import pytest
-from limits import HANG_GUARD_S
 
 from vllm_dflash import envs
 
@@ -271,6 +270,8 @@ def plugin(models):
 
 @pytest.fixture(scope="module")
 def in_tree(models, tmp_path_factory):
+    from limits import HANG_GUARD_S  # imported here: this file also runs as a script
+
     out = str(tmp_path_factory.mktemp("in_tree") / "in_tree.json")
     env = dict(os.environ, VLLM_DFLASH_IMPL="vllm", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.abspath(__file__), models["target"], models[draft_for(ORACLE_K)], str(ORACLE_K), out]
