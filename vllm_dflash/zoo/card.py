@@ -124,7 +124,7 @@ held-out user messages per category (apply the chat template yourself).
 - {info['steps']:,} steps x {c['batch_size']} rows x {c['seq_len']} tokens = **{info['tokens_trained']:,} tokens**
   (the packed corpus holds {info['corpus_tokens']:,})
 - AdamW (lr {c['lr']}, betas 0.9/0.95, weight decay {c['weight_decay']}), {c['warmup_steps']} warmup steps then cosine to
-  {c['min_lr_ratio']:g} x lr, grad clip {c['grad_clip']}, bf16 autocast on CPU, {info['threads']} thread(s), seed {c['seed']}
+  {c['min_lr_ratio']:g} x lr, grad clip {c['grad_clip']}, {info.get('autocast', 'bf16')} autocast on CPU, {info['threads']} thread(s), seed {c['seed']}
 - training loop {info['train_loop_seconds'] / 60:.1f} min ({info['total_seconds'] / 60:.1f} min in all, shared 2-core CPU),
   median step {info['median_step_seconds']:.2f} s
 - loss of the first step {info['first_train_loss']:.3f}; mean of the last 50 steps {info['final_train_loss_last50']:.3f}
