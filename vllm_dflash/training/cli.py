@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", default="toy",
                    help="'toy' (the bundled corpus) or a .jsonl/.json/.txt prompt file (default: toy)")
     g.add_argument("--num-prompts", type=int, default=3000, help="prompts to use (default 3000)")
+    g.add_argument("--prompt-turns", type=int, default=1,
+                   help="chain this many prompts of a category into one conversation whose every turn the "
+                        "target answers (long training contexts from short prompts; default 1)")
     g.add_argument("--max-new-tokens", type=int, default=384, help="response length cap (default 384)")
     g.add_argument("--temperatures", type=_floats, default=(0.0,),
                    help="comma list; one response per prompt per temperature (default 0 = greedy)")
@@ -224,7 +227,7 @@ def _run(args, world, device) -> int:
     say(f"autocast: {prec.describe()}")
     if args.eval_draft:
         return eval_only(args, device) if world.main else 0
-    for name in ("num_prompts", "max_new_tokens", "max_len", "num_layers", "block_size"):
+    for name in ("num_prompts", "prompt_turns", "max_new_tokens", "max_len", "num_layers", "block_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.stop_after in ("train", "export") and args.steps is None and args.minutes is None:
@@ -241,7 +244,8 @@ def _run(args, world, device) -> int:
         say(f"--max-len {args.max_len} is past the target's max_position_embeddings; using {max_pos}")
         args.max_len = max_pos
     tokenizer = data.load_tokenizer(args.target)
-    prompts = data.load_prompts(args.prompts, tokenizer, limit=args.num_prompts, seed=args.seed, target=args.target)
+    prompts = data.chain_turns(data.load_prompts(args.prompts, tokenizer, limit=args.num_prompts, seed=args.seed,
+                                                 target=args.target), args.prompt_turns)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, max_len=args.max_len,
                       seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
                       engine_kwargs={"dtype": generation_dtype(args, prec), "enforce_eager": args.gen_eager},

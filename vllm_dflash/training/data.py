@@ -101,7 +101,7 @@ def chain_turns(prompts: list[Prompt], turns: int) -> list[Prompt]:
     """Groups of `turns` consecutive same-category prompts as one conversation each, so the
     later turns run on long contexts (the earlier questions and the target's answers)."""
     if turns < 1:
-        raise ValueError(f"--eval-turns {turns} must be >= 1")
+        raise ValueError(f"turns={turns} (--prompt-turns / --eval-turns) must be >= 1")
     if turns == 1:
         return prompts
     groups: dict[str, list[Prompt]] = {}

@@ -26,10 +26,13 @@ from vllm_dflash.training.tau_estimate import BUCKET_EDGES, bucket_name, bucket_
 def _turn_results(target, draft, p: Prompt, tokenizer, max_new_tokens, stops, temperature, block_size, generator):
     """(prompt_len, SpecResult) per turn of a prompt (one turn unless it is a conversation)."""
     device = next(target.parameters()).device
+    max_pos = getattr(target.config.get_text_config(), "max_position_embeddings", None) or float("inf")
     answers, out = [], []
     for turn in range(p.turns):
         ids = p.prompt_ids if turn == 0 else conversations.template_ids(
             tokenizer, conversations.turn_messages(p.messages, turn, answers))
+        if turn > 0 and len(ids) + max_new_tokens > max_pos:
+            break   # the rest of the conversation would run past the target's positions
         result = spec_generate(target, draft, torch.tensor([ids], device=device), max_new_tokens,
                                block_size=block_size, temperature=temperature, stop_token_ids=stops,
                                generator=generator)

@@ -21,7 +21,6 @@ import re
 import textwrap
 from functools import lru_cache
 
-from vllm_dflash.zoo import list_problems
 from vllm_dflash.zoo.corpus import MAX_CODE_CHARS, MAX_DOC_CHARS, Example, is_heldout
 
 PERL_ROOTS = ("/usr/share/perl", "/usr/share/perl5")
@@ -211,9 +210,3 @@ def unix_examples(max_files: int | None = None) -> tuple[tuple[Example, ...], tu
         (heldout if is_heldout(ex.source) else train).append(ex)
     return tuple(train), tuple(heldout)
 
-
-def list_examples(seed: int, n_train: int, n_heldout: int) -> tuple[list[Example], list[Example]]:
-    held = list_problems.problems(seed, "heldout", n_heldout)
-    train = list_problems.problems(seed, "train", n_train, exclude={q for q, _ in held})
-    return ([Example("math", q, a, "train") for q, a in train],
-            [Example("math", q, a, "heldout") for q, a in held])
