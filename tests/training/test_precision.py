@@ -73,7 +73,7 @@ def test_bad_choice_names_the_options():
 
 
 def test_trainer_and_cli_take_the_decision(monkeypatch, x86, tmp_path):
-    """The trainer's autocast and the CLI's target / generation dtypes follow the same rule."""
+    """The trainer's autocast and the CLI's target / generation / feature dtypes follow the same rule."""
     import argparse
 
     from helpers import random_draft, tiny_target
@@ -99,3 +99,4 @@ def test_trainer_and_cli_take_the_decision(monkeypatch, x86, tmp_path):
         assert cli.generation_dtype(args, prec) == ("auto" if native else "float32")
         loaded = cli.load_target(args, torch.device("cpu"), prec)
         assert next(loaded.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
+        assert cli.feature_dtype(args, loaded) == ("bf16" if native else "fp32")   # stored as computed

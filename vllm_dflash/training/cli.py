@@ -109,8 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain this many eval prompts of a category into one conversation (long contexts)")
     g.add_argument("--export", default=None, help="export folder (default OUT/runs/<run>/draft)")
     g.add_argument("--export-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    g.add_argument("--feature-dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                   help="storage dtype of the cached target features (default bf16: half the disk of fp32)")
+    g.add_argument("--feature-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="storage dtype of the cached target features (default: the dtype the target computes "
+                        "in, so training reads exactly the features decoding sees; bf16 halves the disk of fp32)")
     g.add_argument("--stop-after", choices=STAGES, default="export", help="last stage to run")
 
 
@@ -156,6 +157,16 @@ def generation_dtype(args, prec: precision.Precision) -> str:
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     stored = getattr(torch, stored) if isinstance(stored, str) else stored
     return "auto" if precision.model_dtype(stored, prec) == stored else "float32"
+
+
+def feature_dtype(args, target) -> str:
+    """--feature-dtype, where `auto` stores features in the dtype the target computes them in."""
+    if args.feature_dtype != "auto":
+        return args.feature_dtype
+    import torch
+
+    dtype = next(target.parameters()).dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def load_eval_prompts(args, tokenizer):
@@ -280,9 +291,9 @@ def _run(args, world, device) -> int:
     layer_ids = list(draft_config.dflash_config["target_layer_ids"])
     cache = build_feature_cache(target, samples, layer_ids,
                                 os.path.join(args.out, "features-" + "_".join(map(str, layer_ids))),
-                                dtype=args.feature_dtype, target_name=os.path.abspath(args.target),
+                                dtype=feature_dtype(args, target), target_name=os.path.abspath(args.target),
                                 rank=world.rank, world_size=world.size)
-    say(f"features: {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}")
+    say(f"features: {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}, stored {cache.meta['dtype']}")
     if stages[-1] == "features":
         return 0
 
