@@ -338,7 +338,9 @@ def _run(args, world, device) -> int:
     nan = float("nan")
     train, val = result.get("train") or {}, result.get("val") or {}
     print(f"done: {result['steps']} steps in {result['minutes']:.1f} min "
-          f"({result['steps'] / max(result['minutes'] * 60, 1e-9):.2f} steps/s); train loss "
+          f"({result['steps'] / max(result['minutes'] * 60, 1e-9):.3f} steps/s at load {os.getloadavg()[0]:.1f}; "
+          f"{result['cpu_minutes'] * 60 / max(result['steps'], 1):.2f} CPU-s/step on {result['torch_threads']} "
+          f"thread(s)); train loss "
           f"{train.get('loss', nan):.3f}, val loss {val.get('loss', nan):.3f}, val acc@1 {val.get('acc1', nan):.3f}, "
           f"val tau_est {val.get('tau_est', nan):.2f} (decode chain; block mean {val.get('block_tau', nan):.2f})")
     if result.get("tau"):

@@ -253,6 +253,7 @@ class Trainer:
                              f"{cfg.batch_size}; lower it or give more prompts")
         self.step = 0
         self.elapsed = 0.0
+        self.cpu_seconds = 0.0   # this process's CPU time in training steps: the load-free cost of the run
         self.epoch = self.epoch_pos = 0
         self.blocks_seen = 0   # training blocks so far; each predicts B-1 tokens
         self.history: list[dict] = []
@@ -376,7 +377,9 @@ class Trainer:
         while self.progress() < 1.0:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.lr * lr_factor(self.progress(), cfg.warmup, cfg.min_lr_ratio)
+            cpu = time.process_time()
             stats = self.train_step(next(stream))
+            self.cpu_seconds += time.process_time() - cpu
             self.step += 1
             now = time.perf_counter()
             # Rank 0's clock (the slowest rank's, in fact) decides a --minutes run's end for all.
@@ -407,7 +410,8 @@ class Trainer:
             self.log(last)
         self.save_checkpoint()
         final = self.run_eval()
-        return {"steps": self.step, "minutes": self.elapsed / 60, "blocks_trained": self.blocks_seen,
+        return {"steps": self.step, "minutes": self.elapsed / 60, "cpu_minutes": self.cpu_seconds / 60,
+                "torch_threads": torch.get_num_threads(), "blocks_trained": self.blocks_seen,
                 "positions_trained": self.blocks_seen * (self.block_size - 1), "train": last.get("train"),
                 "val": final.get("val"), "tau": final.get("tau"), "autocast": self.precision.name,
                 "world_size": self.world.size}
@@ -418,7 +422,7 @@ class Trainer:
         if self.world.main:
             os.makedirs(self.out_dir, exist_ok=True)
             state = {"draft": self.draft.state_dict(), "draft_config": self.draft.config.to_dict(),
-                     "optimizer": self.optimizer.state_dict(), "step": self.step, "elapsed": self.elapsed,
+                     "optimizer": self.optimizer.state_dict(), "step": self.step, "elapsed": self.elapsed, "cpu_seconds": self.cpu_seconds,
                      "epoch": self.epoch, "epoch_pos": self.epoch_pos, "blocks_seen": self.blocks_seen,
                      "train_config": asdict(self.cfg), "world_size": self.world.size}
             path = os.path.join(self.out_dir, CHECKPOINT_NAME)
@@ -437,6 +441,7 @@ class Trainer:
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed = state["step"], state["elapsed"]
+        self.cpu_seconds = state.get("cpu_seconds", 0.0)
         self.epoch, self.epoch_pos = state["epoch"], state["epoch_pos"]
         self.blocks_seen = state.get("blocks_seen", 0)
         return True
