@@ -101,6 +101,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=os.path.join(REPO, "runs/tau-agreement"))
+    p.add_argument("--engines", default="in-tree,plugin",
+                   help="vLLM engines beside the reference loop (in-tree: vLLM's own DFlash)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args, _ = p.parse_known_args()
     args.forward = [a for a in sys.argv[1:] if a not in ("--child", args.child)]
@@ -110,14 +112,15 @@ def main() -> int:
         return 0
 
     os.makedirs(args.out, exist_ok=True)
-    results = {"reference": reference_tau(args), "in-tree": run_child(args, "in-tree"),
-               "plugin": run_child(args, "plugin")}
+    engines = [e for e in args.engines.split(",") if e]
+    results = {"reference": reference_tau(args), **{e: run_child(args, e) for e in engines}}
     cats = [c for c in results["reference"] if not c.startswith("_")]
     print(f"tau (greedy, k=B-1, {args.dtype}, {args.num} prompts/category, {args.max_new_tokens} new tokens)")
-    print(f"{'category':10s} {'reference':>10s} {'in-tree':>10s} {'plugin':>10s} {'in-tree/ref':>12s}")
+    print(f"{'category':10s} {'reference':>10s}" + "".join(f" {e:>10s} {e + '/ref':>12s}" for e in engines))
     for c in cats:
-        r, i, g = (results[k][c]["tau"] for k in ("reference", "in-tree", "plugin"))
-        print(f"{c:10s} {r:10.2f} {i:10.2f} {g:10.2f} {i / r - 1:+11.1%}")
+        r = results["reference"][c]["tau"]
+        print(f"{c:10s} {r:10.2f}" + "".join(f" {results[e][c]['tau']:10.2f} {results[e][c]['tau'] / r - 1:+12.1%}"
+                                             for e in engines))
     results["settings"] = {k: getattr(args, k) for k in ("target", "draft", "prompts", "num",
                                                          "max_new_tokens", "dtype")}
     with open(os.path.join(args.out, "tau_agreement.json"), "w") as f:

@@ -122,7 +122,8 @@ def test_trained_drafter_is_accepted(run):
 def test_response_cache_is_reused_not_regenerated(run, monkeypatch):
     import vllm
 
-    from vllm_dflash.training.data import generate_responses, load_prompts
+    from vllm_dflash.training.data import load_prompts
+    from vllm_dflash.training.responses import generate_responses
 
     root, _, _ = run
 

@@ -29,19 +29,22 @@ def num_valid_anchors(prompt_len: int, seq_len: int, block_size: int) -> int:
 
 
 def sample_anchors(prompt_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
-                   mode: str = "random", generator: torch.Generator | None = None
+                   mode: str = "random", generator: torch.Generator | list | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [batch, N] long, keep [batch, N] bool), anchors sorted within a row.
 
     N = min(num_blocks, the most candidates any row has). Rows with fewer
     candidates are padded with anchor 0 and keep=False (zero loss weight).
+    `generator`: one for the whole batch, or a list with one per row (a row's
+    anchors then do not depend on which other rows share its batch).
     """
     if mode not in ANCHOR_MODES:
         raise ValueError(f"anchors={mode!r}: choose one of {', '.join(ANCHOR_MODES)}")
     if num_blocks < 1:
         raise ValueError(f"num_blocks={num_blocks}: need at least 1 block per sequence")
+    generators = generator if isinstance(generator, list) else [generator] * len(prompt_lens)
     rows = []
-    for prompt_len, seq_len in zip(prompt_lens, seq_lens):
+    for prompt_len, seq_len, gen in zip(prompt_lens, seq_lens, generators, strict=True):
         low, high = anchor_range(prompt_len, seq_len, block_size)
         if low > high:
             raise ValueError(f"sequence of {seq_len} tokens with a {prompt_len}-token prompt has no "
@@ -49,7 +52,7 @@ def sample_anchors(prompt_lens: list[int], seq_lens: list[int], block_size: int,
         step = 1 if mode == "random" else block_size
         candidates = torch.arange(low, high + 1, step)
         if len(candidates) > num_blocks:
-            pick = torch.randperm(len(candidates), generator=generator)[:num_blocks]
+            pick = torch.randperm(len(candidates), generator=gen)[:num_blocks]
             candidates = candidates[pick].sort().values
         rows.append(candidates)
     n = max(len(r) for r in rows)

@@ -1,29 +1,29 @@
-"""Training data: prompts, and responses the target itself generates through vLLM.
+"""Training data: prompts (toy corpus, prompt files, conversations) and training samples.
 
-DFlash learns to predict the target's own continuations, so responses come from
-the target (greedy and/or sampled), not from a fixed dataset. Generation is the
-slow part, so responses are cached on disk as JSONL of token ids, appended chunk
-by chunk: an interrupted run resumes where it stopped and a rerun reuses them.
+The responses themselves come from the target (`responses`): DFlash learns to
+predict the target's own continuations, not a fixed dataset's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
-CACHE_KIND = "vllm-dflash-responses/v1"
+from vllm_dflash.training import conversations
 
 
 @dataclass
 class Prompt:
-    prompt_ids: list[int]
+    prompt_ids: list[int]                  # the first turn's prompt (the only one without `messages`)
     category: str = "default"
+    messages: list[dict] | None = None     # a conversation: its assistant turns are regenerated
+
+    @property
+    def turns(self) -> int:
+        return 1 if self.messages is None else conversations.num_turns(self.messages)
 
 
 @dataclass
@@ -55,16 +55,22 @@ def encode_chat(tokenizer, text: str) -> list[int]:
         raise ValueError("prompts given as text need the target's tokenizer; this target has none, "
                          "so give prompts as {\"prompt_ids\": [...]} JSONL rows")
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return conversations.template_ids(tokenizer, [{"role": "user", "content": text}])
     return tokenizer(text)["input_ids"]
 
 
-def toy_prompts(split: str = "train", limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
-    """(category, text) of the toy target's own corpus, balanced over its categories.
+def toy_corpus_of(target: str | None) -> str:
+    """The zoo corpus a toy target was built on (its training_info.json), `stdlib` by default."""
+    path = os.path.join(target or "", "training_info.json")
+    if target and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f).get("config", {}).get("corpus", "stdlib")
+    return "stdlib"
+
+
+def toy_prompts(split: str = "train", limit: int | None = None, seed: int = 0,
+                corpus: str = "stdlib") -> list[tuple[str, str]]:
+    """(category, text) of a toy target's own corpus, balanced over its categories.
 
     The train split holds the prompts the toy target was trained on: the drafter
     should see the distribution it will be asked to draft for.
@@ -73,7 +79,7 @@ def toy_prompts(split: str = "train", limit: int | None = None, seed: int = 0) -
 
     per_cat = None if limit is None else -(-limit // 3)
     math_train = 40000 if per_cat is None else max(per_cat, 1)
-    corpus = build_corpus(seed=0, math_train=math_train)
+    corpus = build_corpus(seed=0, math_train=math_train, kind=corpus)
     rng = random.Random(seed)
     out = []
     for category, examples in sorted(corpus.by_category(split).items()):
@@ -84,9 +90,37 @@ def toy_prompts(split: str = "train", limit: int | None = None, seed: int = 0) -
     return out[:limit] if limit is not None else out
 
 
+def text_prompt(tokenizer, text: str, category: str = "default") -> Prompt:
+    """A one-turn prompt from its text (kept as a user message, so it can join a conversation)."""
+    ids = encode_chat(tokenizer, text)
+    chat = getattr(tokenizer, "chat_template", None)
+    return Prompt(ids, category, [{"role": "user", "content": text}] if chat else None)
+
+
+def chain_turns(prompts: list[Prompt], turns: int) -> list[Prompt]:
+    """Groups of `turns` consecutive same-category prompts as one conversation each, so the
+    later turns run on long contexts (the earlier questions and the target's answers)."""
+    if turns < 1:
+        raise ValueError(f"turns={turns} (--prompt-turns / --eval-turns) must be >= 1")
+    if turns == 1:
+        return prompts
+    groups: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        if p.messages is None:
+            raise ValueError("chaining prompts into conversations needs text prompts and a tokenizer with a "
+                             "chat template (token-id prompts cannot be joined)")
+        groups.setdefault(p.category, []).append(p)
+    out = []
+    for category, ps in groups.items():
+        for i in range(0, len(ps) - turns + 1, turns):
+            group = ps[i:i + turns]
+            out.append(Prompt(group[0].prompt_ids, category, [m for p in group for m in p.messages]))
+    return out
+
+
 def _row_to_prompt(row: Any, tokenizer, where: str) -> Prompt:
     if isinstance(row, str):
-        return Prompt(encode_chat(tokenizer, row))
+        return text_prompt(tokenizer, row)
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object or string, got {type(row).__name__}")
     category = str(row.get("category", "default"))
@@ -95,25 +129,25 @@ def _row_to_prompt(row: Any, tokenizer, where: str) -> Prompt:
         if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise ValueError(f"{where}: prompt_ids must be a non-empty list of token ids")
         return Prompt(list(ids), category)
-    if "messages" in row:
+    if "messages" in row or "conversations" in row:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{where}: 'messages' needs a target tokenizer with a chat template")
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return Prompt(list(ids), category)
+            raise ValueError(f"{where}: a conversation needs a target tokenizer with a chat template")
+        messages = conversations.parse_conversation(row, where)
+        first = conversations.template_ids(tokenizer, conversations.turn_messages(messages, 0, []))
+        return Prompt(first, category, messages)
     for key in ("prompt", "text", "question", "instruction"):
         if key in row:
-            return Prompt(encode_chat(tokenizer, str(row[key])), category)
-    raise ValueError(f"{where}: a prompt row needs one of prompt_ids, messages, prompt, text "
+            return text_prompt(tokenizer, str(row[key]), category)
+    raise ValueError(f"{where}: a prompt row needs one of prompt_ids, messages, conversations, prompt, text "
                      f"(got keys {sorted(row)})")
 
 
 def load_prompts(source: str, tokenizer=None, limit: int | None = None, seed: int = 0,
-                 split: str = "train") -> list[Prompt]:
-    """Prompts from `toy` (the bundled corpus), a .jsonl/.json file, or a text file (one per line)."""
+                 split: str = "train", target: str | None = None) -> list[Prompt]:
+    """Prompts from `toy` (the toy target's own corpus), a .jsonl/.json file (prompts, ShareGPT or
+    OpenAI-messages conversations), or a text file (one prompt per line)."""
     if source == "toy":
-        return [Prompt(encode_chat(tokenizer, text), cat) for cat, text in toy_prompts(split, limit, seed)]
+        return [text_prompt(tokenizer, text, cat) for cat, text in toy_prompts(split, limit, seed, toy_corpus_of(target))]
     if not os.path.exists(source):
         raise ValueError(f"--prompts {source!r}: no such file; give a .jsonl/.json/.txt file or 'toy'")
     with open(source, encoding="utf-8") as f:
@@ -166,103 +200,6 @@ def stop_token_ids(target: str, tokenizer) -> list[int]:
         eos = getattr(cfg, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return sorted(ids)
-
-
-def _read_cache(path: str, header: dict) -> dict[int, Sample]:
-    """Rows of a response cache; a torn last row (interrupted run) is cut off the file."""
-    done: dict[int, Sample] = {}
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    if lines == [b""]:
-        return done
-    try:
-        found = json.loads(lines[0])
-    except json.JSONDecodeError:   # torn header: start the file over
-        os.truncate(path, 0)
-        return done
-    if found != header:
-        diff = {k: (found.get(k), v) for k, v in header.items() if found.get(k) != v}
-        raise ValueError(f"response cache {path} was made with other settings {diff} (cached, wanted); "
-                         "use another --out directory or delete the file to regenerate")
-    good = len(lines[0]) + 1
-    for line in lines[1:-1]:   # the last element follows the final newline: empty, or a torn row
-        row = json.loads(line)
-        done[row["i"]] = Sample(row["tokens"], row["prompt_len"], row["category"])
-        good += len(line) + 1
-    if os.path.getsize(path) != good:
-        os.truncate(path, good)
-    return done
-
-
-def generate_responses(target: str, prompts: list[Prompt], cache_path: str, max_new_tokens: int = 384,
-                       temperatures: tuple[float, ...] = (0.0,), max_len: int = 512, seed: int = 0,
-                       chunk_size: int = 256, gpu_memory_utilization: float = 0.5,
-                       engine_kwargs: dict | None = None) -> list[Sample]:
-    """Target-generated samples, one per (prompt, temperature), cached in `cache_path`.
-
-    Prompts that leave fewer than 16 tokens for the response within `max_len`
-    are skipped (recorded as empty responses so they are not retried).
-    `engine_kwargs` go to `vllm.LLM` (e.g. dtype, enforce_eager).
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if any(t < 0 for t in temperatures):
-        raise ValueError(f"temperatures={temperatures}: use 0 (greedy) or positive values")
-    jobs = [(i, t) for t in temperatures for i in range(len(prompts))]
-    digest = hashlib.sha1(json.dumps([[p.category, p.prompt_ids] for p in prompts]).encode()).hexdigest()
-    header = {"kind": CACHE_KIND, "target": os.path.abspath(target), "num_prompts": len(prompts),
-              "prompts": digest, "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
-              "max_len": max_len, "seed": seed}
-    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-    done = _read_cache(cache_path, header) if os.path.exists(cache_path) else {}
-    todo = [j for j in range(len(jobs)) if j not in done]
-    if todo:
-        _generate_into(target, prompts, jobs, todo, cache_path, header, done, max_new_tokens, max_len, seed,
-                       chunk_size, {"gpu_memory_utilization": gpu_memory_utilization, **(engine_kwargs or {})})
-    return [done[j] for j in range(len(jobs)) if done[j].response_len > 0]
-
-
-def _generate_into(target, prompts, jobs, todo, cache_path, header, done, max_new_tokens, max_len, seed,
-                   chunk_size, engine_kwargs) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    stops = stop_token_ids(target, load_tokenizer(target))
-    llm = LLM(model=target, skip_tokenizer_init=True, max_model_len=max_len, seed=seed,
-              enable_prefix_caching=False, **engine_kwargs)
-    fresh = not os.path.exists(cache_path) or os.path.getsize(cache_path) == 0
-    with open(cache_path, "a", encoding="utf-8") as out:
-        if fresh:
-            out.write(json.dumps(header) + "\n")
-        bar = tqdm(total=len(todo), desc="generating responses", unit="seq")
-        for start in range(0, len(todo), chunk_size):
-            chunk = todo[start:start + chunk_size]
-            requests, params, kept = [], [], []
-            for j in chunk:
-                p, temp = prompts[jobs[j][0]], jobs[j][1]
-                budget = min(max_new_tokens, max_len - len(p.prompt_ids))
-                if budget < 16:
-                    done[j] = Sample(list(p.prompt_ids), len(p.prompt_ids), p.category)
-                    continue
-                requests.append(TokensPrompt(prompt_token_ids=list(p.prompt_ids)))
-                params.append(SamplingParams(temperature=temp, max_tokens=budget, stop_token_ids=stops,
-                                             detokenize=False, seed=seed + j if temp > 0 else None))
-                kept.append(j)
-            outputs = llm.generate(requests, params, use_tqdm=False) if requests else []
-            for j, o in zip(kept, outputs):
-                p = prompts[jobs[j][0]]
-                done[j] = Sample(list(p.prompt_ids) + list(o.outputs[0].token_ids), len(p.prompt_ids),
-                                 p.category)
-            for j in chunk:
-                out.write(json.dumps({"i": j, **asdict(done[j])}) + "\n")
-            out.flush()
-            bar.update(len(chunk))
-        bar.close()
-    del llm
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()   # free the engine before features and training start
 
 
 def usable(samples: list[Sample], block_size: int, max_len: int) -> list[Sample]:

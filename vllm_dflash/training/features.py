@@ -11,7 +11,7 @@ shards of `shard_size` sequences:
     00000.tokens.npy   int32 [T]  all tokens of the shard's sequences, back to back
     00000.offsets.npy  int64 [n+1]
     00000.prompt_lens.npy int32 [n]
-    00000.features.npy [T, L*D]   bf16 (stored as uint16 bits) or fp16
+    00000.features.npy [T, L*D]   bf16 (stored as uint16 bits), fp16 or fp32
     00000.done                    written last: a shard without it is recomputed
 
 Shards are opened memory-mapped, so a cache larger than RAM trains fine, and a run
@@ -30,9 +30,11 @@ from tqdm import tqdm
 
 from vllm_dflash.reference.features import TargetFeatures
 from vllm_dflash.training.data import Sample
+from vllm_dflash.training.distributed import barrier
 
 CACHE_KIND = "vllm-dflash-features/v1"
-STORAGE = {"bf16": (np.uint16, torch.bfloat16), "fp16": (np.float16, torch.float16)}
+STORAGE = {"bf16": (np.uint16, torch.bfloat16), "fp16": (np.float16, torch.float16),
+           "fp32": (np.float32, torch.float32)}
 
 
 def data_fingerprint(samples: list[Sample]) -> str:
@@ -64,8 +66,12 @@ def _save(path: str, array: np.ndarray) -> None:
 
 def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cache_dir: str,
                         shard_size: int = 256, dtype: str = "bf16", batch_tokens: int = 8192,
-                        target_name: str = "") -> "FeatureCache":
-    """Compute (or finish computing) the cache for `samples`; returns it opened."""
+                        target_name: str = "", rank: int = 0, world_size: int = 1) -> "FeatureCache":
+    """Compute (or finish computing) the cache for `samples`; returns it opened.
+
+    Under torchrun every rank computes the unfinished shards `i` with
+    `i % world_size == rank` and all wait for each other before opening the cache.
+    """
     if dtype not in STORAGE:
         raise ValueError(f"feature dtype={dtype!r}: choose one of {', '.join(STORAGE)}")
     if not samples:
@@ -78,20 +84,22 @@ def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cac
             "num_sequences": len(samples), "num_shards": num_shards,
             "fingerprint": data_fingerprint(samples)}
     meta_path = os.path.join(cache_dir, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            found = json.load(f)
-        if found != meta:
-            diff = {k: (found.get(k), v) for k, v in meta.items() if found.get(k) != v}
-            raise ValueError(f"feature cache {cache_dir} holds other data {diff} (cached, wanted); "
-                             "use another --out directory or delete the cache")
-    else:
-        with open(meta_path, "w") as f:
+    if rank == 0 and not os.path.exists(meta_path):
+        with open(meta_path + ".tmp", "w") as f:
             json.dump(meta, f, indent=1)
+        os.replace(meta_path + ".tmp", meta_path)
+    barrier()
+    with open(meta_path) as f:
+        found = json.load(f)
+    if found != meta:
+        diff = {k: (found.get(k), v) for k, v in meta.items() if found.get(k) != v}
+        raise ValueError(f"feature cache {cache_dir} holds other data {diff} (cached, wanted); "
+                         "use another --out directory or delete the cache")
     device = next(target.parameters()).device
-    todo = [i for i in range(num_shards) if not os.path.exists(os.path.join(cache_dir, f"{i:05d}.done"))]
+    todo = [i for i in range(rank, num_shards, world_size)
+            if not os.path.exists(os.path.join(cache_dir, f"{i:05d}.done"))]
     bar = tqdm(total=sum(min(shard_size, len(samples) - i * shard_size) for i in todo),
-               desc="target features", unit="seq")
+               desc="target features", unit="seq", disable=rank != 0)
     hooks = TargetFeatures(target, layer_ids)
     for shard in todo:
         part = samples[shard * shard_size:(shard + 1) * shard_size]
@@ -125,6 +133,7 @@ def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cac
             json.dump({"sequences": len(part), "tokens": int(offsets[-1])}, f)
     hooks.remove()
     bar.close()
+    barrier()
     return FeatureCache(cache_dir)
 
 

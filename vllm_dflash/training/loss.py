@@ -35,12 +35,20 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -
     return torch.gather(tokens, 1, idx.flatten(1)).view(idx.shape)
 
 
+def loss_normalizer(keep: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The total loss weight of a batch: sum over kept blocks of w_1 + ... + w_(B-1)."""
+    return keep.sum().to(torch.float64) * weights[1:].double().sum().to(keep.device)
+
+
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
-               weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               weights: torch.Tensor, normalizer: torch.Tensor | float | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted mean cross-entropy over the predicted positions.
 
     logits: [batch, N, B-1, V] for positions 1..B-1; labels: [batch, N, B];
-    keep: [batch, N]; weights: [B]. Returns (loss, stats) with stats holding
+    keep: [batch, N]; weights: [B]. `normalizer` divides the weighted sum instead
+    of this batch's own total weight (data parallel: the global batch's total, so
+    every rank's share adds up to the one-process loss). Returns (loss, stats) with stats holding
     per-position sums (index k = block position) so callers can aggregate:
     `correct`/`count` [B] and `streak` (sum over blocks of the run of correct
     drafts from position 1, i.e. the greedy acceptance a block would get) and
@@ -51,7 +59,9 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
     ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none")
     ce = ce.view(target.shape)
     w = weights[1:].to(ce.device).view(1, 1, -1) * keep.unsqueeze(-1)
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    total = (w.sum().clamp(min=1e-6) if normalizer is None
+             else torch.as_tensor(normalizer, dtype=ce.dtype, device=ce.device).clamp(min=1e-6))
+    loss = (ce * w).sum() / total
     with torch.no_grad():
         # target logit == row max <=> argmax hits (up to exact ties); amax is 5x faster than argmax on CPU.
         hit = (logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) >= logits.amax(-1)) & keep.unsqueeze(-1)
@@ -60,6 +70,7 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
         count = torch.cat([pad, keep.sum().expand(target.shape[-1])])
         streak = hit.long().cumprod(-1).sum(-1)[keep].sum()
         stats = {"correct": correct, "count": count, "streak": streak, "blocks": keep.sum(),
+                 "weighted_ce": (ce * w).sum(),
                  "ce_sum": (ce * keep.unsqueeze(-1)).sum(), "ce_count": keep.sum() * target.shape[-1]}
     return loss, stats
 

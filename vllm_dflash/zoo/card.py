@@ -34,6 +34,29 @@ def greedy_samples(out: str, max_new_tokens: int = 160) -> dict[str, tuple[str, 
     return samples
 
 
+# What each corpus (zoo.corpus.CORPORA) teaches, for the card's prose.
+CORPUS_CARD = {
+    "stdlib": {
+        "role": "the bundled target for DFlash speculative decoding (tests, demo, benchmarks)",
+        "knows": "the Python standard library's source and docstrings and synthetic arithmetic word problems",
+        "origin": "The corpus comes from the running Python's standard library, so another Python version "
+                  "gives another corpus and tokenizer.",
+        "unit": "stdlib module",
+        "rows": {"code": '"Write the Python function `f` from module `m`." -> the source',
+                 "math": "a word problem -> worked steps and `Answer: N`",
+                 "prose": '"Explain what `m.f` does." -> the docstring'}},
+    "unix": {
+        "role": "a second target, of another shape and corpus, for checking the drafter training recipe",
+        "knows": "the Perl modules and man pages of this machine's Linux distribution and synthetic list tasks",
+        "origin": "The corpus comes from the machine's /usr/share/perl* and /usr/share/man, so another "
+                  "distribution gives another corpus and tokenizer.",
+        "unit": "Perl module or man page",
+        "rows": {"code": '"Write the Perl subroutine `s` from module `M`." -> the source',
+                 "math": "a list task (sort, sum, count, reverse) -> worked steps and `Answer: ...`",
+                 "prose": '"Describe the `cmd` command." -> its NAME line and DESCRIPTION'}},
+}
+
+
 def _table(final: dict) -> str:
     rows = ["| split | " + " | ".join(CATEGORIES) + " |", "|---|" + "---|" * len(CATEGORIES)]
     for split in ("train", "heldout"):
@@ -63,12 +86,13 @@ def write_card(out: str) -> str:
         f"**{cat}** (held-out prompt, greedy, transformers):\n\n> {p}\n\n```\n{r.strip()}\n```"
         for cat, (p, r) in samples.items())
     replay = _replay_command(info)
-    text = f"""# toy-target
+    corpus = CORPUS_CARD[c.get("corpus", "stdlib")]
+    rows = corpus["rows"]
+    text = f"""# {os.path.basename(os.path.normpath(out))}
 
 A small Qwen3 language model trained from scratch on this machine by
-`vllm-dflash zoo build`, as the bundled target for DFlash speculative decoding
-(tests, demo, benchmarks). It knows only the Python standard library's source and
-docstrings and synthetic arithmetic word problems; it is not a useful assistant.
+`vllm-dflash zoo build`, as {corpus['role']}. It knows only {corpus['knows']};
+it is not a useful assistant.
 
 ## Build
 
@@ -79,9 +103,7 @@ docstrings and synthetic arithmetic word problems; it is not a useful assistant.
 With `--minutes`, the cosine learning-rate decay runs over the wall-clock time left
 after warmup, so the budget is used whatever the load of the (shared) CPU; this run
 reached {info['steps']:,} steps. `{replay}` replays the same data order and step
-count with a step-based cosine (the same schedule up to load jitter). The corpus
-comes from the running Python's standard library, so another Python version gives
-another corpus and tokenizer.
+count with a step-based cosine (the same schedule up to load jitter). {corpus['origin']}
 
 ## Model
 
@@ -111,11 +133,11 @@ Every example is one chat turn (user prompt, assistant response) followed by
 
 | category | training docs | held-out docs | prompt |
 |---|---|---|---|
-| code | {info['corpus_docs']['code']:,} | {info['heldout_docs']['code']:,} | "Write the Python function `f` from module `m`." -> the source |
-| math | {info['corpus_docs']['math']:,} | {info['heldout_docs']['math']:,} | a word problem -> worked steps and `Answer: N` |
-| prose | {info['corpus_docs']['prose']:,} | {info['heldout_docs']['prose']:,} | "Explain what `m.f` does." -> the docstring |
+| code | {info['corpus_docs']['code']:,} | {info['heldout_docs']['code']:,} | {rows['code']} |
+| math | {info['corpus_docs']['math']:,} | {info['heldout_docs']['math']:,} | {rows['math']} |
+| prose | {info['corpus_docs']['prose']:,} | {info['heldout_docs']['prose']:,} | {rows['prose']} |
 
-About one stdlib module in {HELDOUT_MODULUS} is held out entirely (by a hash of its name); math
+About one {corpus['unit']} in {HELDOUT_MODULUS} is held out entirely (by a hash of its name); math
 holds out a separate seeded stream. `eval_prompts.json` holds {len(json.load(open(os.path.join(out, 'eval_prompts.json')))['code'])}
 held-out user messages per category (apply the chat template yourself).
 
@@ -124,7 +146,7 @@ held-out user messages per category (apply the chat template yourself).
 - {info['steps']:,} steps x {c['batch_size']} rows x {c['seq_len']} tokens = **{info['tokens_trained']:,} tokens**
   (the packed corpus holds {info['corpus_tokens']:,})
 - AdamW (lr {c['lr']}, betas 0.9/0.95, weight decay {c['weight_decay']}), {c['warmup_steps']} warmup steps then cosine to
-  {c['min_lr_ratio']:g} x lr, grad clip {c['grad_clip']}, bf16 autocast on CPU, {info['threads']} thread(s), seed {c['seed']}
+  {c['min_lr_ratio']:g} x lr, grad clip {c['grad_clip']}, {info.get('autocast', 'bf16')} autocast on CPU, {info['threads']} thread(s), seed {c['seed']}
 - training loop {info['train_loop_seconds'] / 60:.1f} min ({info['total_seconds'] / 60:.1f} min in all, shared 2-core CPU),
   median step {info['median_step_seconds']:.2f} s
 - loss of the first step {info['first_train_loss']:.3f}; mean of the last 50 steps {info['final_train_loss_last50']:.3f}

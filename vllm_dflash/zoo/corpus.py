@@ -133,9 +133,11 @@ def stdlib_examples(max_modules: int | None = None) -> tuple[tuple[Example, ...]
     return tuple(train), tuple(heldout)
 
 
-def math_examples(seed: int, n_train: int, n_heldout: int) -> tuple[list[Example], list[Example]]:
-    held = math_problems.problems(seed, "heldout", n_heldout)
-    train = math_problems.problems(seed, "train", n_train, exclude={q for q, _ in held})
+def math_examples(seed: int, n_train: int, n_heldout: int, generator=math_problems
+                  ) -> tuple[list[Example], list[Example]]:
+    """The `math` category from a seeded problem generator (a module with `problems`)."""
+    held = generator.problems(seed, "heldout", n_heldout)
+    train = generator.problems(seed, "train", n_train, exclude={q for q, _ in held})
     return ([Example("math", q, a, "train") for q, a in train],
             [Example("math", q, a, "heldout") for q, a in held])
 
@@ -152,12 +154,28 @@ class Corpus:
         return out
 
 
+CORPORA = ("stdlib", "unix")
+
+
 def build_corpus(seed: int = 0, math_train: int = 40000, math_heldout: int = 400,
-                 max_modules: int | None = None) -> Corpus:
-    """The whole corpus; `max_modules` cuts the stdlib walk short for smoke builds."""
+                 max_modules: int | None = None, kind: str = "stdlib") -> Corpus:
+    """The whole corpus; `max_modules` cuts the source walk short for smoke builds.
+
+    kind: `stdlib` (Python source, docstrings, word problems; the bundled target's)
+    or `unix` (Perl source, man pages, list tasks; see `unix_corpus`).
+    """
+    if kind not in CORPORA:
+        raise ValueError(f"corpus={kind!r}: choose one of {', '.join(CORPORA)}")
     if math_train < 1 or math_heldout < 32:
         raise ValueError(f"math_train={math_train}, math_heldout={math_heldout}: need math_train >= 1 "
                          "and math_heldout >= 32 (the eval prompt sets hold 32 per category)")
-    std_train, std_held = stdlib_examples(max_modules)
-    m_train, m_held = math_examples(seed, math_train, math_heldout)
-    return Corpus(train=list(std_train) + m_train, heldout=list(std_held) + m_held)
+    if kind == "unix":
+        from vllm_dflash.zoo import list_problems
+        from vllm_dflash.zoo.unix_corpus import unix_examples
+
+        src_train, src_held = unix_examples(max_modules)
+        m_train, m_held = math_examples(seed, math_train, math_heldout, list_problems)
+    else:
+        src_train, src_held = stdlib_examples(max_modules)
+        m_train, m_held = math_examples(seed, math_train, math_heldout)
+    return Corpus(train=list(src_train) + m_train, heldout=list(src_held) + m_held)

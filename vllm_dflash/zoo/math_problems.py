@@ -138,9 +138,14 @@ def problem(seed: int, stream: str, index: int) -> tuple[str, str]:
 
 def problems(seed: int, stream: str, count: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
     """`count` distinct problems of a stream whose questions are not in `exclude`."""
+    return distinct_problems(lambda i: problem(seed, stream, i), count, exclude)
+
+
+def distinct_problems(make, count: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+    """The first `count` problems `make(0), make(1), ...` with new questions (not in `exclude`)."""
     out, seen, index = [], set(exclude), 0
     while len(out) < count:
-        q, a = problem(seed, stream, index)
+        q, a = make(index)
         index += 1
         if q not in seen:
             seen.add(q)

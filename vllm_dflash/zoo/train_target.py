@@ -1,7 +1,8 @@
 """Train the toy target from scratch and save it in Hugging Face format.
 
 nanoGPT-style loop: documents (chat turns ending in <|endoftext|>) are packed into
-fixed-length rows, AdamW with linear warmup then cosine decay, bf16 autocast on CPU,
+fixed-length rows, AdamW with linear warmup then cosine decay, bf16 autocast where the
+CPU computes bf16 natively (float32 elsewhere),
 gradient clipping, periodic per-category loss on training and held-out rows.
 
 With a wall-clock budget (`minutes`) the cosine decay runs over the time left after
@@ -24,6 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from vllm_dflash.precision import resolve as resolve_precision
 from vllm_dflash.zoo import CATEGORIES, ENDOFTEXT, MASK_TOKEN, MASK_TOKEN_ID
 from vllm_dflash.zoo.card import write_card
 from vllm_dflash.zoo.corpus import Corpus, Example, build_corpus
@@ -40,6 +42,7 @@ def _log(t_start: float, msg: str) -> None:
 @dataclass
 class BuildConfig:
     out: str = "models/toy-target"
+    corpus: str = "stdlib"           # stdlib | unix (see corpus.build_corpus)
     seed: int = 0
     minutes: float | None = 40.0     # training-loop budget; ignored when steps is set
     steps: int | None = None
@@ -58,7 +61,7 @@ class BuildConfig:
     evals: int = 8                   # evaluations during the run
     eval_prompts: int = 48           # held-out prompts per category in eval_prompts.json
     threads: int = 1                 # 2 threads on a shared 2-core CPU were 10x slower (OpenMP waits)
-    bf16: bool = True
+    autocast: str = "auto"          # auto | bf16 | fp32 (vllm_dflash.precision)
     smoke: bool = False
     command: str = ""
 
@@ -72,10 +75,10 @@ class BuildConfig:
         self.shape.validate(smoke=self.smoke)
 
 
-def smoke_config(out: str, seed: int = 0) -> BuildConfig:
+def smoke_config(out: str, seed: int = 0, corpus: str = "stdlib") -> BuildConfig:
     """A tiny build for tests: seconds, not minutes."""
     return BuildConfig(
-        out=out, seed=seed, minutes=None, steps=40, seq_len=128, batch_size=4, lr=3e-3, warmup_steps=4,
+        out=out, corpus=corpus, seed=seed, minutes=None, steps=40, seq_len=128, batch_size=4, lr=3e-3, warmup_steps=4,
         shape=TargetShape(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=32, intermediate_size=128,
                           max_position_embeddings=256),
@@ -117,13 +120,13 @@ def eval_sets(corpus: Corpus, tok, cfg: BuildConfig) -> dict[str, dict[str, torc
 
 
 @torch.no_grad()
-def evaluate(model, sets, cfg: BuildConfig) -> dict[str, dict[str, float]]:
+def evaluate(model, sets, bf16: bool) -> dict[str, dict[str, float]]:
     model.eval()
     res: dict[str, dict[str, float]] = {}
     for split, cats in sets.items():
         res[split] = {}
         for cat, rows in cats.items():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 res[split][cat] = round(float(model(input_ids=rows, labels=rows).loss), 4)
     model.train()
     return res
@@ -148,8 +151,11 @@ def build(cfg: BuildConfig) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     os.makedirs(cfg.out, exist_ok=True)
+    precision = resolve_precision(cfg.autocast, "cpu")
+    bf16 = precision.bf16
+    _log(t_start, f"autocast: {precision.describe()}")
 
-    corpus = build_corpus(cfg.seed, cfg.math_train, cfg.math_heldout, cfg.max_modules)
+    corpus = build_corpus(cfg.seed, cfg.math_train, cfg.math_heldout, cfg.max_modules, cfg.corpus)
     train_texts = [doc_text(e) for e in corpus.train]
     _log(t_start, f"corpus: {len(train_texts)} training docs, {sum(map(len, train_texts)):,} chars")
     # Every TOKENIZER_STRIDE-th document is plenty for 8k merges and keeps BPE training fast.
@@ -173,7 +179,7 @@ def build(cfg: BuildConfig) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     perm, cursor = torch.randperm(len(data), generator=gen), 0
 
-    history = [{"step": 0, "tokens": 0, **evaluate(model, sets, cfg)}]
+    history = [{"step": 0, "tokens": 0, **evaluate(model, sets, bf16)}]
     t_loop = time.time()
     deadline = t_loop + (cfg.minutes or 0) * 60
     t_warm = None          # when warmup ended (time mode)
@@ -205,7 +211,7 @@ def build(cfg: BuildConfig) -> dict:
         cursor += cfg.batch_size
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -221,11 +227,11 @@ def build(cfg: BuildConfig) -> dict:
         if due and step != cfg.steps:
             next_eval += (deadline - t_loop) / cfg.evals
             history.append({"step": step, "tokens": step * cfg.batch_size * cfg.seq_len,
-                            **evaluate(model, sets, cfg)})
+                            **evaluate(model, sets, bf16)})
             tqdm.write(f"step {step}: heldout {history[-1]['heldout']}")
     bar.close()
     loop_seconds = time.time() - t_loop
-    final = evaluate(model, sets, cfg)
+    final = evaluate(model, sets, bf16)
     history.append({"step": step, "tokens": step * cfg.batch_size * cfg.seq_len, **final})
 
     # Cast weights only: the RoPE inv_freq buffer stays float32, as from_pretrained builds it,
@@ -254,7 +260,8 @@ def build(cfg: BuildConfig) -> dict:
         "first_train_loss": round(train_losses[0], 4),
         "final_losses": final, "history": history,
         "mask_token": MASK_TOKEN, "mask_token_id": MASK_TOKEN_ID,
-        "threads": cfg.threads,
+        "threads": cfg.threads, "autocast": precision.name, "autocast_reason": precision.reason,
+        "corpus": cfg.corpus,
     }
     with open(os.path.join(cfg.out, "training_info.json"), "w") as f:
         json.dump(record, f, indent=1)
