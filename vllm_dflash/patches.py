@@ -13,9 +13,15 @@ vLLM version it was checked against and the signature it expects;
 | 5 | `v1.worker.gpu_model_runner.RejectionSampler` | DFlash verifies with `verifier.sampler.DFlashRejectionSampler` (vLLM's class for other methods) | 0.32.0 |
 | 6 | `sampling_params.SamplingParams._validate_spec_decode` | allow min_p with DFlash when our verifier serves (it applies min-p at draft positions) | 0.32.0 |
 | 7 | `v1.worker.gpu_model_runner.build_logitsprocs` | keep vLLM's min-p processor with DFlash when our verifier serves (vLLM drops it under speculation) | 0.32.0 |
+| 8 | `v1.worker.gpu_model_runner.GPUModelRunner._sample` | snapshot the CPU generators of discarded (partial-prefill) seeded requests (patch 9) | 0.32.0 |
+| 9 | `v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync` | rewind them by state: vLLM's `set_offset` kills the CPU engine ("CPU Generator does not use offset") | 0.32.0 |
 
 `VLLM_DFLASH_IMPL=vllm` skips patches 1-3 (vLLM's in-tree DFlash serves, for
 comparisons); patch 4 only completes and checks the config, so it stays.
+Patches 8-9 fix a vLLM CPU bug that has nothing to do with DFlash: they apply
+in every process that loads the plugin, with or without speculation.
+Each entry also names the process it acts in, the upstream reference and when
+to remove it (`process`, `upstream`, `removal`; filled for 8-9 so far).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ class Patch:
     install: Callable[[], None]
     plugin_only: bool = True  # skipped with VLLM_DFLASH_IMPL=vllm
     vllm_version: str = VLLM_VERSION
+    process: str = ""  # where it acts: "engine", "worker" or "frontend"
+    upstream: str = ""  # vLLM issue / PR behind it, or why there is none
+    removal: str = ""  # when it can go
 
 
 def _resolve(module: str, symbol: str):
@@ -192,9 +201,18 @@ def _allow_min_p_with_dflash_verifier() -> None:
         def _validate_spec_decode(self, speculative_config) -> None:
             from vllm_dflash.verifier.selection import use_dflash_verifier
 
-            if use_dflash_verifier(speculative_config) and not self.logit_bias:
-                return  # min_p is applied at every draft position; logit_bias still unsupported
-            original(self, speculative_config)
+            if not use_dflash_verifier(speculative_config):
+                return original(self, speculative_config)
+            # min_p is applied at every draft position; logit_bias is not (vLLM's
+            # message would name min_p too, which is supported here).
+            if self.logit_bias:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    "logit_bias is not supported with DFlash speculative decoding (vllm-dflash "
+                    "verifies temperature, top-k, top-p and min_p, not logit biases); drop "
+                    "logit_bias or serve this model without --speculative-config",
+                    parameter="logit_bias")
 
         return _validate_spec_decode
 
@@ -256,7 +274,59 @@ VERIFIER_PATCHES: list[Patch] = [
     ),
 ]
 
-PATCHES: list[Patch] = SERVING_PATCHES + VERIFIER_PATCHES
+# ------------------------------------------------------------- vLLM fixes ----
+
+
+def _rewind_discarded_cpu_generators() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_dflash.serving import seed_rewind
+
+    _wrap_method(GPUModelRunner, "_sample", seed_rewind.wrap_sample)
+    _wrap_method(GPUModelRunner, "_bookkeeping_sync", seed_rewind.wrap_bookkeeping_sync)
+
+
+_SEED_REWIND_UPSTREAM = (
+    "vllm-project/vllm#10097 introduced the offset rewind ('relies on cuda-specific torch-internal impl "
+    "details'); no vLLM issue for the CPU runner as of 0.32.0; same crash fixed downstream in "
+    "RBLN-SW/vllm-rbln#1025"
+)
+_SEED_REWIND_REMOVAL = (
+    "when GPUModelRunner._bookkeeping_sync no longer calls set_offset on CPU generators "
+    "(tests/serving/test_seeded_chunked_prefill.py::test_vllm_still_rewinds_by_offset fails then)"
+)
+
+VLLM_FIX_PATCHES: list[Patch] = [
+    Patch(
+        module="vllm.v1.worker.gpu_model_runner",
+        symbol="GPUModelRunner._sample",
+        why="snapshot (get_state) the CPU generators of this step's discarded requests (partial "
+        "prefills) before the sampler, verifier and drafter draw from them, for the state rewind "
+        "of the next patch (vllm_dflash.serving.seed_rewind)",
+        signature=("self", "logits", "spec_decode_metadata"),
+        install=_rewind_discarded_cpu_generators,
+        plugin_only=False,
+        process="worker",
+        upstream=_SEED_REWIND_UPSTREAM,
+        removal=_SEED_REWIND_REMOVAL,
+    ),
+    Patch(
+        module="vllm.v1.worker.gpu_model_runner",
+        symbol="GPUModelRunner._bookkeeping_sync",
+        why="vLLM rewinds a discarded seeded sample with Generator.set_offset, which a CPU generator "
+        "(mt19937) does not have: a seeded request with a chunked prefill kills the CPU engine "
+        "('CPU Generator does not use offset'); restore the snapshot instead and hide those "
+        "generators from vLLM's loop (other devices keep vLLM's rewind)",
+        signature=("self", "scheduler_output", "sampler_output", "logits", "hidden_states", "num_scheduled_tokens"),
+        install=_rewind_discarded_cpu_generators,
+        plugin_only=False,
+        process="worker",
+        upstream=_SEED_REWIND_UPSTREAM,
+        removal=_SEED_REWIND_REMOVAL,
+    ),
+]
+
+PATCHES: list[Patch] = SERVING_PATCHES + VERIFIER_PATCHES + VLLM_FIX_PATCHES
 
 
 def use_plugin_impl() -> bool:
