@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import pytest
 from serving_pairs import (
-    TOY_TARGET,
     check_spec_metrics,
     delta,
     spec_metrics_from_prometheus,
     toy_pair,
     toy_prompts,
 )
+from traffic import completion_prompts
 from vllm_server import running
 
 K = 4
@@ -49,16 +49,6 @@ def servers(tmp_path_factory):
         "plain": dict(model=target_dir, log_path=str(root / "plain.log"), args=SERVER_ARGS),
     }) as started:
         yield started
-
-
-def completion_prompts(n: int) -> list[str]:
-    """Chat-formatted prompts as raw text: the toy target ends plain text at once,
-    but continues these (the completions API applies no template)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in toy_prompts(n)]
 
 
 def chat(client, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
