@@ -41,7 +41,7 @@ from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.sampler import min_p_per_request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers show it
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
