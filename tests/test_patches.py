@@ -122,3 +122,9 @@ def test_bad_impl_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(patches.IMPL_ENV, "fast")
     with pytest.raises(ValueError, match="VLLM_DFLASH_IMPL='fast' is not valid; use 'plugin'"):
         patches.use_plugin_impl()
+
+
+def test_vllm_fix_patches_say_where_why_upstream_and_when_to_go():
+    for patch in patches.VLLM_FIX_PATCHES:
+        assert patch.process == "worker" and not patch.plugin_only, patch.symbol
+        assert "vllm-project/vllm" in patch.upstream and "test_vllm_still_rewinds_by_offset" in patch.removal
