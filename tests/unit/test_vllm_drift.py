@@ -220,3 +220,15 @@ def test_bad_impl_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("VLLM_DFLASH_IMPL", "fast")
     with pytest.raises(ValueError, match="VLLM_DFLASH_IMPL='fast' is not valid; use 'plugin'"):
         envs.use_plugin_impl()
+
+
+def test_vllm_fixes_say_where_why_upstream_and_when_to_go():
+    """The vLLM bug fixes act in the worker with or without DFlash, and each names
+    its upstream reference and the test that tells when it can go."""
+    from vllm_dflash.patches import vllm_fixes
+
+    patches = [e for e in vllm_fixes.ENTRIES if e.kind == "patch"]
+    assert patches
+    for patch in patches:
+        assert patch.process == ("worker",) and not patch.plugin_only, patch.symbol
+        assert "vllm-project/vllm" in patch.upstream and "test_vllm_still_rewinds_by_offset" in patch.remove_when

@@ -25,7 +25,7 @@ import pytest
 import torch
 from scipy import stats
 
-from draft_sampling import sample_drafts
+from vllm_dflash.verifier.draft import sample_drafts
 
 from vllm_dflash.ops import reference
 from vllm_dflash.verifier import rejection_sample, verify

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_sampling import sample_drafts
+from vllm_dflash.verifier.draft import sample_drafts
 
 from vllm_dflash.ops.reference import rejection_sample_ref
 from vllm_dflash.verifier import draw_noise, rejection_sample, verify

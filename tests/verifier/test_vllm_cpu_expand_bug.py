@@ -11,8 +11,9 @@ and serves by default; with `VLLM_DFLASH_VERIFIER=vllm` it logs
 `VLLM_CPU_SAMPLED_VERIFY_WARNING`.
 
 This test runs vLLM's verifier on the toy pair (in-tree path of the
-sampler, T=1) and records every expand call. It fails once vLLM expands
-correctly: then drop the warning and the README note.
+sampler, T=1) and records every expand call, then shows the consequence for
+greedy requests batched with sampled ones (their tokens change). It fails
+once vLLM expands correctly: then drop the warning and the README note.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from __future__ import annotations
 import pytest
 
 pytestmark = pytest.mark.vllm
+
+GREEDY_PROMPTS = 8
+
+
+class _Calls(list):
+    """Recorded expand calls, plus `greedy`: (greedy outputs alone, the same batched with sampled requests)."""
+
+    greedy: tuple = ((), ())
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +41,7 @@ def expand_calls():
 
     from vllm_dflash.patches import model_runner_of
 
-    calls = []
+    calls = _Calls()
     original = rs.expand_batch_to_tokens
 
     def record(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
@@ -47,11 +56,19 @@ def expand_calls():
         mp.setenv("VLLM_DFLASH_VERIFIER", "vllm")
         try:
             with vllm_engine(model=TOY_TARGET, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                                   speculative_config={"method": "dflash", "model": TOY_DRAFT,
-                                                       "num_speculative_tokens": 3}) as llm:
+                             speculative_config={"method": "dflash", "model": TOY_DRAFT,
+                                                 "num_speculative_tokens": 3}) as llm:
                 assert model_runner_of(llm).rejection_sampler.use_dflash is False  # vLLM's verifier serves
                 llm.generate(["def add(a, b):"], SamplingParams(temperature=1.0, max_tokens=24, seed=1),
                              use_tqdm=False)
+                # Greedy requests alone (an all-greedy batch skips the expansion), then batched with sampled ones.
+                greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+                sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=2)
+                prompts = [f"def f{i}(x):" for i in range(GREEDY_PROMPTS)]
+                alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+                mixed = llm.generate(prompts + ["Once upon a time"] * GREEDY_PROMPTS,
+                                     [greedy] * GREEDY_PROMPTS + [sampled] * GREEDY_PROMPTS, use_tqdm=False)
+                calls.greedy = (alone, [o.outputs[0].token_ids for o in mixed[:GREEDY_PROMPTS]])
         finally:
             rs.expand_batch_to_tokens = original
     return calls
@@ -67,3 +84,16 @@ def test_vllm_cpu_expand_batch_to_tokens_returns_garbage(expand_calls):
         f"vLLM's CPU expand_batch_to_tokens is correct now ({len(calls)} calls): remove "
         "VLLM_CPU_SAMPLED_VERIFY_WARNING (vllm_dflash/verifier/sampler.py) and the README note"
     )
+
+
+def test_vllm_cpu_verifier_changes_greedy_outputs_batched_with_sampled_ones(expand_calls):
+    """Greedy rows of a mixed batch are divided by the garbage temperatures too
+    (apply_sampling_constraints scales every row in place before the greedy
+    kernel takes its argmax): README and VLLM_CPU_SAMPLED_VERIFY_WARNING say so."""
+    alone, mixed = expand_calls.greedy
+    assert len(alone) == len(mixed) == GREEDY_PROMPTS
+    changed = sum(a != b for a, b in zip(alone, mixed))
+    print(f"\nvLLM's CPU verifier: {changed} of {GREEDY_PROMPTS} greedy outputs change when batched with sampled ones")
+    assert changed > 0, (
+        "vLLM's CPU rejection sampler keeps greedy outputs in mixed batches now: update "
+        "VLLM_CPU_SAMPLED_VERIFY_WARNING and the README")

@@ -25,9 +25,18 @@ def _allow_min_p_with_dflash_verifier() -> None:
         def _validate_spec_decode(self, speculative_config) -> None:
             from vllm_dflash.verifier.selection import use_dflash_verifier
 
-            if use_dflash_verifier(speculative_config) and not self.logit_bias:
-                return  # min_p is applied at every draft position; logit_bias still unsupported
-            original(self, speculative_config)
+            if not use_dflash_verifier(speculative_config):
+                return original(self, speculative_config)
+            # min_p is applied at every draft position; logit_bias is not (vLLM's
+            # message would name min_p too, which is supported here).
+            if self.logit_bias:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    "logit_bias is not supported with DFlash speculative decoding (vllm-dflash "
+                    "verifies temperature, top-k, top-p and min_p, not logit biases); drop "
+                    "logit_bias or serve this model without --speculative-config",
+                    parameter="logit_bias")
 
         return _validate_spec_decode
 
@@ -83,7 +92,7 @@ ENTRIES: list[VllmInternal] = [
         process=("frontend",),
         why="vLLM rejects min_p with speculative decoding because its rejection sampler skips min-p at draft "
         "positions; ours applies it, so min_p is allowed when ours verifies",
-        how="wrap: return early when our verifier serves and no logit_bias is set",
+        how="wrap: return early when our verifier serves; logit_bias then gets its own error naming the field",
         remove_when="vLLM's rejection sampler applies min-p at draft positions",
         upstream="vllm-project/vllm#42744, vllm-project/vllm#42802 (the guard came with #31982)",
         params=("self", "speculative_config"),

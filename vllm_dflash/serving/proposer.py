@@ -38,8 +38,10 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_dflash import ops, profiler
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
+from vllm_dflash.verifier.draft import sample_drafts
+from vllm_dflash.verifier.sampler import min_p_per_request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers show it
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
@@ -57,6 +59,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
         self.dflash_config = dflash_config_of(spec)
         self.mask_token_id = self.dflash_config.mask_token_id
+        self._runner = runner  # read: discard_request_mask (seeded draft sampling)
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %d draft tokens per step",
             spec.model,
@@ -211,15 +214,32 @@ class DFlashProposer(SpecDecodeBaseProposer):
         return draft_ids.view(batch_size, k)
 
     def _draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        """Argmax drafts, or vLLM's probabilistic draft sampling when enabled
-        (then the probabilities go to vLLM's rejection sampler)."""
-        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
-            draft_ids, probs = self._sample_draft_tokens(hidden_states, sampling_metadata)
-            self._last_draft_probs = probs.view(-1, self.num_speculative_tokens, probs.shape[-1])
-            return draft_ids
+        """Argmax drafts, or sampled drafts with vLLM's `draft_sample_method=
+        "probabilistic"` (their distributions q then go to vLLM's rejection sampler)."""
         logits = self.model.compute_logits(hidden_states)
+        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+            k = self.num_speculative_tokens
+            batch_size = logits.shape[0] // k
+            draft_ids, probs = sample_drafts(
+                logits.view(batch_size, k, -1), "sample",
+                temperature=sampling_metadata.temperature, top_k=sampling_metadata.top_k,
+                top_p=sampling_metadata.top_p, min_p=min_p_per_request(sampling_metadata, batch_size),
+                generators=self._seeded_draft_generators(sampling_metadata, batch_size))
+            self._last_draft_probs = probs
+            return draft_ids.view(-1)
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             # CPU argmax over bf16/fp16 is several times slower than converting first
             # (the conversion is exact, so the result and its tie-breaking are the same).
             logits = logits.float()
         return logits.argmax(dim=-1)
+
+    def _seeded_draft_generators(self, sampling_metadata: SamplingMetadata, batch_size: int) -> dict:
+        """{row: generator} for sampled drafts: a seeded request draws its drafts from
+        its own generator (vLLM draws them from the global RNG), so its output is
+        reproducible. Rows whose sample is discarded this step (partial prefills)
+        draw from the global RNG: vLLM rewinds only the sampler's draw there."""
+        generators = sampling_metadata.generators
+        if not generators or self._runner is None:
+            return generators
+        discarded = self._runner.discard_request_mask.np[:batch_size]
+        return {i: g for i, g in generators.items() if i < batch_size and not discarded[i]}

@@ -43,7 +43,7 @@ from vllm_dflash.verifier import sampling_params
 from vllm_dflash.verifier.rejection import draw_noise, rejection_sample
 from vllm_dflash.verifier.selection import use_dflash_verifier
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers show it
 
 def min_p_per_request(sampling_metadata: SamplingMetadata, batch_size: int) -> torch.Tensor | None:
     """[B] min-p values from vLLM's builtin MinPLogitsProcessor, None when no request sets one."""
@@ -66,15 +66,21 @@ def per_draft_token(values: torch.Tensor | None, metadata: SpecDecodeMetadata, n
 
 
 # vLLM 0.32 on CPU: expand_batch_to_tokens (a Triton kernel, `_expand`, with no CPU
-# backend) returns uninitialized memory, so apply_sampling_constraints divides the
-# target logits of draft positions by garbage temperatures; sampled (T > 0) requests
-# then get neither the target's distribution nor sensible acceptance. Measured in
-# README "Results"; tests/verifier/test_vllm_cpu_expand_bug.py fails once vLLM fixes it.
+# backend) returns uninitialized memory, and vLLM's rejection sampler reads its
+# per-token temperatures, greedy flags and top-k / top-p from it. Sampled (T > 0)
+# requests then get neither the target's distribution nor sensible acceptance, greedy
+# requests sharing a batch with sampled ones are verified as sampled ones (their
+# outputs change), and top_k requests crash the engine (index out of bounds in
+# apply_top_k_top_p_pytorch). All-greedy batches take a path without the expansion.
+# Measured in README "Results" and "Serving under load"; tests/verifier/test_vllm_cpu_expand_bug.py
+# fails once vLLM fixes it. vllm-dflash's verifier expands with repeat_interleave.
 VLLM_CPU_SAMPLED_VERIFY_WARNING = (
-    "vLLM's own rejection sampler verifies DFlash here; on CPU vLLM 0.32 scales the target logits of "
-    "draft positions by uninitialized temperatures (expand_batch_to_tokens), so sampled (T > 0) "
-    "requests do not follow the target's distribution. Greedy requests are unaffected. Unset "
-    "VLLM_DFLASH_VERIFIER=vllm (and VLLM_DFLASH_IMPL=vllm) to verify with vllm-dflash's sampler."
+    "vLLM's own rejection sampler verifies DFlash here; on CPU vLLM 0.32 reads per-token sampling "
+    "parameters from uninitialized memory (expand_batch_to_tokens), so sampled (T > 0) requests do "
+    "not follow the target's distribution, greedy requests batched with sampled ones get wrong tokens, "
+    "and requests with top_k crash the engine. Only batches that are all greedy are verified correctly. "
+    "Unset VLLM_DFLASH_VERIFIER=vllm (and VLLM_DFLASH_IMPL=vllm) to verify with vllm-dflash's sampler, "
+    "which has none of these faults."
 )
 
 

@@ -1,7 +1,8 @@
-"""Draft tokens for the verifier tests, drawn the way a proposer must draw them.
+"""Sampled draft tokens with per-request parameters and generators.
 
-(The serving proposer drafts through vLLM's own draft sampler; these tests
-need the same law with explicit per-request parameters and generators.)
+The proposer draws sampled drafts here rather than through vLLM's draft
+sampler so that a seeded request draws from its own generator (reproducible
+outputs); the verifier tests draw with the same law.
 
 "argmax" drafting proposes each position's most likely token; the verifier
 treats it as a point mass and needs no probabilities. "sample" drafting draws
