@@ -50,11 +50,14 @@ ENTRIES: list[VllmInternal] = [
     VllmInternal(
         symbol=RUNNER,
         kind="read",
-        process=("bench",),
-        why="tests and the bench look at the drafter and the samplers the runner built",
-        how="runner.drafter, runner.sampler, runner.rejection_sampler",
-        remove_when=UNTIL,
-        names=("drafter", "sampler", "rejection_sampler"),
+        process=("bench", "worker"),
+        why="tests and the bench look at the drafter and the samplers the runner built; in the worker, the "
+        "proposer and the CPU seeded-request rewind (patches.vllm_fixes) read which requests' samples vLLM "
+        "discards this step (partial prefills): a seeded request draws its sampled drafts from its own "
+        "generator except in those steps",
+        how="runner.drafter, runner.sampler, runner.rejection_sampler; runner.discard_request_mask.np[:num_reqs]",
+        remove_when=UNTIL + "; discard_request_mask: when vLLM's draft sampler takes per-request generators",
+        names=("drafter", "sampler", "rejection_sampler", "discard_request_mask"),
     ),
     VllmInternal(
         symbol=f"{RUNNER}.execute_model",

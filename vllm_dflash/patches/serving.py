@@ -216,17 +216,6 @@ ENTRIES: list[VllmInternal] = [
         usage=("self._maybe_share_lm_head(target_language_model)",),
     ),
     VllmInternal(
-        symbol=RUNNER,
-        kind="read",
-        process=("worker",),
-        why="with draft_sample_method='probabilistic' a seeded request draws its drafts from its own generator "
-        "(vLLM's draft sampler draws from the global RNG), except in steps whose sample vLLM discards "
-        "(partial prefills); the CPU seeded-request rewind (patches.vllm_fixes) reads the same mask",
-        how="runner.discard_request_mask.np[:num_reqs] (the proposer keeps the runner it is built with)",
-        remove_when="vLLM's draft sampler takes per-request generators",
-        names=("discard_request_mask",),
-    ),
-    VllmInternal(
         symbol=f"{BASE_PROPOSER}.build_per_group_and_layer_attn_metadata",
         kind="call",
         process=("worker",),
