@@ -122,3 +122,21 @@ def test_bad_impl_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(patches.IMPL_ENV, "fast")
     with pytest.raises(ValueError, match="VLLM_DFLASH_IMPL='fast' is not valid; use 'plugin'"):
         patches.use_plugin_impl()
+
+
+@pytest.mark.parametrize("internal", patches.ADAPTIVE_INTERNALS, ids=lambda i: f"{i.module}.{i.symbol}")
+def test_internals_adaptive_speculation_reads_are_unchanged(internal):
+    target = patches._resolve(internal.module, internal.symbol)  # AttributeError: it moved
+    source = inspect.getsource(inspect.unwrap(target))
+    assert internal.marker in source, (
+        f"{internal.module}.{internal.symbol} no longer contains {internal.marker!r}: "
+        f"re-check what vllm-dflash relies on ({internal.why})")
+    assert internal.process in ("frontend", "engine", "worker") and internal.why and internal.how
+
+
+def test_async_scheduling_is_read_after_the_speculative_config():
+    """Patch 4 sets EngineArgs.async_scheduling for adaptive speculation while vLLM builds the config."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    source = inspect.getsource(EngineArgs.create_engine_config)
+    assert source.index("self.create_speculative_config(") < source.index("async_scheduling=self.async_scheduling")

@@ -98,6 +98,10 @@ def test_warmup_drafts_full_and_random_blocks_then_stops():
         c.draft_cost.observe(2, plan.q + 1, 1e-4)
     assert K in plans and len(set(plans)) > 3
     assert c.plan(ids, np.full(2, GREEDY)).reason != WARMUP
+    # A new batch size warms up briefly: the measured curves already stand in for it.
+    new = [f"n{i}" for i in range(16)]
+    reasons = [c.plan(new, np.full(16, GREEDY)).reason for _ in range(6)]
+    assert reasons[:4] == [WARMUP] * 4 and WARMUP not in reasons[4:], reasons
 
 
 def test_decisions_are_deterministic_for_a_seed():

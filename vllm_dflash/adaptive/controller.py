@@ -18,8 +18,10 @@ Two decisions per step:
    along a draft, so the chosen positions form a prefix of each draft).
 
 Estimates only stay right if their inputs cover the whole range: the first
-`warmup_steps` decisions at each batch size draft randomised q (full blocks
-half the time) with randomised per-request budgets, and later a step
+`warmup_steps` decisions (then `knot_warmup_steps` at each further batch
+size the cost model keeps a knot for; the curves of the nearest measured
+sizes stand in meanwhile) draft randomised q (full blocks half the time)
+with randomised per-request budgets, and later a step
 explores (a longer q, random extra positions or full blocks for some
 requests) with a probability capped so that, even if exploring meant full
 blocks verified for everyone, it costs at most `explore_time_share` of the
@@ -70,7 +72,7 @@ def budgets_from_order(order: np.ndarray, chosen: int, rows: int, width: int) ->
 class BudgetController:
     """The per-step decisions of adaptive speculation; see the module docstring."""
 
-    def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16,
+    def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
                  per_request_prior: bool = True, refresh_steps: int = 8):
         if max_k < 1:
@@ -82,6 +84,7 @@ class BudgetController:
         self.draft_cost = StepCost(max_k + 1, max_requests)
         self.rng = np.random.default_rng(seed)
         self.warmup_steps = warmup_steps
+        self.knot_warmup_steps = knot_warmup_steps
         self.explore_time_share = explore_time_share
         self.max_explore_probability = max_explore_probability
         self.per_request_prior = per_request_prior
@@ -105,7 +108,9 @@ class BudgetController:
     def in_warmup(self, requests: int) -> bool:
         if not (self.step_cost.ready and self.draft_cost.ready):
             return True
-        return self._warmup_done.get(self._warmup_key(requests), 0) < self.warmup_steps
+        done = self._warmup_done.get(self._warmup_key(requests), 0)
+        first = sum(self._warmup_done.values()) - done < self.warmup_steps  # no other size warmed up yet
+        return done < (self.warmup_steps if first else self.knot_warmup_steps)
 
     def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
         """Query length q for the R = len(req_ids) requests of this step."""

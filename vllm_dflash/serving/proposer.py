@@ -11,21 +11,30 @@ and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
    (rejected drafts are skipped) -> fc + hidden_norm -> per-layer K/V written
    into the draft's paged cache at those tokens' slots. Earlier context is
    already cached, so nothing is recomputed.
-2. one forward pass of the query block `[bonus, MASK x k]` at positions
-   `[p, p + k]`, bidirectional within the block and over all context.
+2. one forward pass of the query block `[bonus, MASK x q]` at positions
+   `[p, p + q]`, bidirectional within the block and over all context.
 3. argmax (or, with vLLM's `draft_sample_method="probabilistic"`, sampled)
    draft tokens; `keep_draft_probs = True` keeps the draft distribution of the
    last step in `last_draft_probs` for verifiers that need it.
 
-The drafter keeps no per-request state: everything lives in vLLM's block
-tables, so chunked prefill, prefix caching, preemption and requests leaving
-the batch need no bookkeeping here.
+Static speculation (`adaptive: false`) drafts q = k = num_speculative_tokens
+every step. Adaptive speculation (the default, `vllm_dflash.adaptive`)
+plans q per step (0: no draft forward, the context write still runs), then
+hands each request the prefix of its draft worth verifying, as lists.
+
+The drafter's cache needs no per-request state: everything lives in vLLM's
+block tables, so chunked prefill, prefix caching, preemption and requests
+leaving the batch need no bookkeeping here. (Adaptive speculation
+remembers, by request id, what it handed out, to learn from the outcome.)
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from vllm.config import VllmConfig
@@ -35,11 +44,34 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash import ops
+from vllm_dflash import envs, ops
+from vllm_dflash.adaptive import prometheus
+from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence
+from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
+from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving import profile
+from vllm_dflash.serving.adaptive_option import adaptive_enabled
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
+from vllm_dflash.verifier import sampling_params
 
 logger = init_logger(__name__)
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    """(world size, rank) of this worker's tensor-parallel group; (1, 0) outside one."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # distributed not initialised (tests building a proposer alone)
+        return 1, 0
+
+
+def _remove_stale_stats(rank: int) -> None:
+    """A static engine must not show the adaptive counters a previous engine of this process left."""
+    path = prometheus.stats_path(rank)
+    if path is not None and os.path.exists(path):
+        os.remove(path)
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
@@ -56,12 +88,37 @@ class DFlashProposer(SpecDecodeBaseProposer):
         # the context KV written by store_context_kv, not as model inputs.
         super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
         self.mask_token_id = self.parallel_drafting_token_id
+        self.runner = runner  # adaptive speculation reads the batch state (vllm_dflash.patches.ADAPTIVE_INTERNALS)
         self.keep_draft_probs = False
         self.last_draft_probs: torch.Tensor | None = None  # [B, k, V] float32
+        self.last_draft_block: torch.Tensor | None = None  # [B, q] drafts of the last query block
+        self.confidence_feature = DEFAULT_FEATURE
+        self._tp_size, tp_rank = _tensor_parallel()
+        self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
+        if self.adaptive is None:
+            _remove_stale_stats(tp_rank)
         logger.info(
-            "vllm-dflash DFlash proposer: draft %s, %d draft tokens per step",
+            "vllm-dflash DFlash proposer: draft %s, %s",
             spec.model,
-            spec.num_speculative_tokens,
+            f"adaptive speculation, at most {spec.num_speculative_tokens} draft tokens per request and step"
+            if self.adaptive is not None else f"{spec.num_speculative_tokens} draft tokens per step",
+        )
+
+    def _build_adaptive(self, vllm_config: VllmConfig, runner, tp_rank: int) -> AdaptiveSpeculation:
+        if runner is not None and getattr(runner, "use_async_scheduling", False):
+            raise ValueError(
+                "vllm-dflash adaptive speculation gives each request its own draft length, which vLLM's "
+                "async scheduling cannot schedule: pass async_scheduling=False or speculative_config "
+                "adaptive=false"
+            )
+        path = prometheus.stats_path(tp_rank) if tp_rank == 0 else None
+        seed = vllm_config.model_config.seed
+        return AdaptiveSpeculation(
+            self.num_speculative_tokens,
+            vllm_config.scheduler_config.max_num_seqs,
+            seed=0 if seed is None else int(seed),
+            schedule=envs.adaptive_schedule(),
+            stats=AdaptiveStats(self.num_speculative_tokens, path=path),
         )
 
     def _create_draft_vllm_config(self) -> VllmConfig:
@@ -135,25 +192,48 @@ class DFlashProposer(SpecDecodeBaseProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
-    ) -> torch.Tensor:
-        """Draft `num_speculative_tokens` tokens per request: [B, k] token ids.
+    ) -> torch.Tensor | list[list[int]]:
+        """Static: [B, k] draft token ids, k = `num_speculative_tokens`.
+        Adaptive: per request a list of 0..k draft token ids (see `_propose_adaptive`).
 
         `target_hidden_states` is what vLLM 0.32's runner hands every
         hidden-state drafter: the captured target layers already concatenated
         per token, [T, L*D], for all T tokens of the last target pass
-        (rejected drafts included). Per step: `ops.prepare_dflash_inputs`
-        (context rows/positions/slots, the query block's ids/positions/slots
-        and lengths), `ops.gather_hidden_states` when some rows were rejected
-        (CPU), `store_context_kv` (fc and K/V GEMMs + `ops.context_kv_write`),
-        then vLLM's attention metadata and the query-block forward.
+        (rejected drafts included).
         """
-        self.num_speculative_tokens = k = num_speculative_tokens
+        block_args = (target_positions, target_hidden_states, next_token_ids, common_attn_metadata,
+                      sampling_metadata, num_rejected_tokens_gpu)
+        if self.adaptive is not None:
+            return self._propose_adaptive(*block_args)
+        self.num_speculative_tokens = num_speculative_tokens
+        return self._propose_block(num_speculative_tokens, *block_args)[0]
+
+    def _propose_block(
+        self,
+        q: int,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        cad: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+        confidence: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Write the new context K/V, then draft the block [bonus, MASK x q]:
+        ([B, q] draft ids, (feature, prior) [B, q] confidences or None).
+
+        Per step: `ops.prepare_dflash_inputs` (context rows/positions/slots,
+        the query block's ids/positions/slots and lengths),
+        `ops.gather_hidden_states` when some rows were rejected (CPU),
+        `store_context_kv` (fc and K/V GEMMs + `ops.context_kv_write`), then
+        vLLM's attention metadata and the query-block forward. q = 0 writes
+        the context and drafts nothing.
+        """
         self._last_draft_probs = None
         self.last_draft_probs = None
-        cad = common_attn_metadata
         batch_size = next_token_ids.shape[0]
         num_rows = target_positions.shape[0]
-        q_len = k + 1
+        q_len = q + 1
 
         # One native call for every index the step needs. On CPU the context is
         # compacted to the verified rows (the count is free on the host); on
@@ -167,7 +247,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             cad.block_table_tensor,
             self.block_size,
             self.mask_token_id,
-            k,
+            q,
             num_rows,
             self.device.type == "cpu",
         )
@@ -176,8 +256,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         else:
             features = ops.gather_hidden_states([target_hidden_states], step.context_rows)
         self.model.store_context_kv(features, step.context_positions, step.context_slots)
-        if k == 0:  # the cache is in sync; nothing to draft
-            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+        if q == 0:  # the cache is in sync; nothing to draft
+            self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+            return self.last_draft_block, None
 
         if self.device.type == "cpu":  # the exact values are already on the host
             query_start_loc_cpu, seq_lens_upper = step.query_start_loc, step.seq_lens
@@ -206,28 +287,95 @@ class DFlashProposer(SpecDecodeBaseProposer):
             slot_mapping={name: step.slots for name in self._draft_attn_layer_names},
         ):
             hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
-        # Row 0 of each block is the bonus token; rows 1..k predict the drafts.
-        mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * k, -1)
-        draft_ids, probs = self._draft_tokens(mask_hidden, sampling_metadata)
+        # Row 0 of each block is the bonus token; rows 1..q predict the drafts.
+        mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * q, -1)
+        draft_ids, probs, conf = self._draft_tokens(mask_hidden, sampling_metadata, q, confidence)
         if probs is not None:
-            probs = probs.view(batch_size, k, -1)
+            probs = probs.view(batch_size, q, -1)
             if self.keep_draft_probs:
                 self.last_draft_probs = probs
-        return draft_ids.view(batch_size, k)
+        self.last_draft_block = draft_ids.view(batch_size, q)
+        if conf is not None:
+            conf = tuple(c.view(batch_size, q) for c in conf)
+        return self.last_draft_block, conf
+
+    def _propose_adaptive(
+        self,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        cad: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> list[list[int]]:
+        """Per request, the draft tokens worth verifying (`vllm_dflash.adaptive`).
+
+        The runner hands the lists to the scheduler as each request's
+        spec_token_ids, any length (0 too). From the runner's batch: the
+        request ids (rows move between steps: outcomes are matched by id),
+        how many drafts each request had verified this step
+        (`input_batch.spec_token_ids`, what the scheduler actually
+        scheduled) and, with `num_rejected_tokens_gpu`, how many were
+        accepted; partial prefills (`discard_request_mask`) get no budget.
+        The context K/V of every verified token is written whatever q is.
+        """
+        adaptive, runner = self.adaptive, self.runner
+        batch_size = next_token_ids.shape[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
+        t0 = time.perf_counter()
+        batch = runner.input_batch
+        req_ids = batch.req_ids[:batch_size]
+        verified = np.fromiter((len(batch.spec_token_ids[i]) for i in range(batch_size)), np.int64, batch_size)
+        if num_rejected_tokens_gpu is None:
+            accepted = verified
+        else:
+            accepted = np.maximum(verified - num_rejected_tokens_gpu[:batch_size].cpu().numpy(), 0)
+        greedy = sampling_params.greedy_mask(
+            None if sampling_metadata.all_greedy else sampling_metadata.temperature, batch_size, self.device)
+        eligible = ~runner.discard_request_mask.np[:batch_size].astype(bool)
+        plan = adaptive.begin(t0, req_ids, verified, accepted, target_positions.shape[0],
+                              greedy.cpu().numpy(), eligible)
+        q = self._same_on_every_rank(plan.q)
+        drafts, conf = self._propose_block(
+            q, target_positions, target_hidden_states, next_token_ids, cad, sampling_metadata,
+            num_rejected_tokens_gpu, confidence=True)
+        if q == 0:
+            feature = prior = np.zeros((batch_size, 0))
+            rows: list[list[int]] = [[] for _ in range(batch_size)]
+        else:
+            rows = drafts.tolist()
+            feature, prior = (c.cpu().numpy() for c in conf)
+        budgets = adaptive.choose(time.perf_counter(), feature, prior)
+        out = [row[:b] for row, b in zip(rows, budgets.tolist())]
+        adaptive.end(time.perf_counter())
+        return out
+
+    def _same_on_every_rank(self, q: int) -> int:
+        """Tensor-parallel ranks time their own steps, so they could plan differently;
+        the draft forward is collective, so rank 0's q is everyone's."""
+        if self._tp_size <= 1:
+            return q
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().broadcast_object(q, src=0))
 
     def _draft_tokens(
-        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Argmax drafts, or vLLM's probabilistic draft sampling when enabled
-        (then the probabilities also go to vLLM's rejection sampler)."""
-        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
-            draft_ids, probs = self._sample_draft_tokens(hidden_states, sampling_metadata)
-            self._last_draft_probs = probs.view(-1, self.num_speculative_tokens, probs.shape[-1])
-            return draft_ids, probs
+        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata, width: int, confidence: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(draft ids, draft probabilities or None, (feature, prior) confidences or None).
+
+        Argmax drafts, or vLLM's probabilistic draft sampling when enabled
+        (then the probabilities also go to the rejection sampler)."""
         logits = self.model.compute_logits(hidden_states)
+        conf = draft_confidence(logits, self.confidence_feature) if confidence else None
+        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+            draft_ids, probs = self._sample_from_logits(logits, sampling_metadata)
+            self._last_draft_probs = probs.view(-1, width, probs.shape[-1])
+            return draft_ids, probs, conf
         probs = logits.softmax(dim=-1, dtype=torch.float32) if self.keep_draft_probs else None
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             # CPU argmax over bf16/fp16 is several times slower than converting first
             # (the conversion is exact, so the result and its tie-breaking are the same).
             logits = logits.float()
-        return logits.argmax(dim=-1), probs
+        return logits.argmax(dim=-1), probs, conf
