@@ -88,7 +88,7 @@ class AcceptanceModel:
             return 0
         n = np.asarray(num_verified, dtype=np.int64)
         a = np.asarray(num_accepted, dtype=np.int64)
-        if np.any(a > n) or np.any(a < 0) or np.any(n > feature.shape[1]):
+        if ((a > n) | (a < 0) | (n > feature.shape[1])).any():
             raise ValueError(f"need 0 <= accepted <= verified <= {feature.shape[1]}: verified {n}, accepted {a}")
         pos = np.arange(feature.shape[1])[None, :]
         observed = pos < np.minimum(a + 1, n)[:, None]
@@ -99,7 +99,7 @@ class AcceptanceModel:
         decay = np.exp(-count / self.memory)
         self.accepted *= decay
         self.observed *= decay
-        kind = np.broadcast_to(np.asarray(kinds, dtype=np.int64)[:, None], feature.shape)
+        kind = np.asarray(kinds, dtype=np.int64)[:, None]
         flat = (kind * self.num_bins + self.bins(feature)) * self.num_positions + pos
         size = self.observed.size
         self.observed += np.bincount(flat[observed], minlength=size).reshape(self.observed.shape)
@@ -138,10 +138,14 @@ class SurvivalPrior:
         self.sum *= decay
         self.weight *= decay
         kinds = np.asarray(kinds, dtype=np.int64)
-        for kind in np.unique(kinds):
-            sel = kinds == kind
-            self.sum[kind, :width] += survival[sel].sum(axis=0)
-            self.weight[kind, :width] += sel.sum()
+        if kinds.min() == kinds.max():  # the usual batch: one kind
+            self.sum[kinds[0], :width] += survival.sum(axis=0)
+            self.weight[kinds[0], :width] += rows
+        else:
+            for kind in range(len(KIND_NAMES)):
+                sel = kinds == kind
+                self.sum[kind, :width] += survival[sel].sum(axis=0)
+                self.weight[kind, :width] += sel.sum()
         self._means = None
         full = self._extend(survival, kinds)
         for i, req_id in enumerate(req_ids):

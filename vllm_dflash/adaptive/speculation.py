@@ -111,6 +111,9 @@ class AdaptiveSpeculation:
         probabilities `prior`); D so far is now - begin's time."""
         st = self._step
         feature = np.asarray(feature, dtype=np.float64)
+        if feature.shape[1] == 0:  # nothing drafted this step
+            st.budgets = np.zeros(len(st.req_ids), dtype=np.int64)
+            return st.budgets
         conditional = self.controller.acceptance.conditional(st.kinds, feature, prior)
         survival = np.cumprod(conditional, axis=1)
         planner = self.schedule or self.controller
