@@ -11,6 +11,8 @@ recorded; then `AcceptanceModel` is run online on each feature
 (prequential: predict each observed position from the past only, then
 learn from it) and scored by log loss and Brier score per request kind. A
 model without any confidence feature (position only) is the baseline.
+Also: how well the plan's prior (before drafting) predicts the accepted
+count, a request's own last survival row against the pooled mean.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def outcomes(calls: list[dict], k: int):
             kind = 0 if prev["greedy"][i] else 1
             # Features were recorded flat, request-major: [B * k].
             rows.append((kind, prev["margin"][i * k:(i + 1) * k], prev["top1"][i * k:(i + 1) * k],
-                         cur["verified"][j], cur["accepted"][j]))
+                         cur["verified"][j], cur["accepted"][j], req))
     return rows
 
 
@@ -104,7 +106,7 @@ def prequential(rows, k: int, feature: str) -> dict:
 
     model = AcceptanceModel(k)
     loss = {name: [0.0, 0.0, 0] for name in KIND_NAMES}  # log loss sum, Brier sum, count
-    for kind, margin_f, top1_f, n, a in rows:
+    for kind, margin_f, top1_f, n, a, _ in rows:
         if feature == "margin":
             f, prior = margin_f, (1 + margin_f) / 2  # tanh(d / 2) and sigmoid(d), as the proposer uses them
         elif feature == "top1":
@@ -124,6 +126,27 @@ def prequential(rows, k: int, feature: str) -> dict:
             for name, v in loss.items() if v[2]}
 
 
+def prior_quality(rows_by_request, k: int) -> dict:
+    """How well the plan's expected accepted count (sum of prior survival) predicts the
+    realised one: each request's own last posterior row vs the pooled mean over recent
+    drafts (`SurvivalPrior`), mean squared error over verified drafts, replayed online."""
+    from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
+
+    model, prior = AcceptanceModel(k), SurvivalPrior(k)
+    err = {"per_request": [0.0, 0], "pooled": [0.0, 0]}
+    for req, kind, margin_f, n, a in rows_by_request:
+        kinds = np.array([kind])
+        for name, per_request in (("per_request", True), ("pooled", False)):
+            expected = float(prior.rows([req], kinds, per_request)[0].sum())
+            err[name][0] += (expected - a) ** 2
+            err[name][1] += 1
+        f = margin_f[None, :]
+        survival = np.cumprod(model.conditional(kinds, f, (1 + f) / 2), axis=1)
+        prior.record([req], kinds, survival)  # what the controller knows before the next draft
+        model.update(kinds, f, np.array([n]), np.array([a]))
+    return {name: v[0] / v[1] for name, v in err.items() if v[1]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=os.path.join(REPO, "models", "toy-target"))
@@ -136,14 +159,17 @@ def main() -> int:
     args = p.parse_args()
     rows = outcomes(record(args), args.k)
     result = {feature: prequential(rows, args.k, feature) for feature in ("margin", "top1", "position")}
+    priors = prior_quality([(req, kind, m, n, a) for kind, m, _, n, a, req in rows], args.k)
     print(f"{len(rows)} verified drafts")
     print(f"{'feature':<10}{'kind':<9}{'log loss':>10}{'Brier':>9}{'observed':>10}")
     for feature, kinds in result.items():
         for kind, v in kinds.items():
             print(f"{feature:<10}{kind:<9}{v['log_loss']:>10.4f}{v['brier']:>9.4f}{v['observations']:>10d}")
+    print("expected accepted tokens before drafting, mean squared error: " +
+          ", ".join(f"{name} {v:.3f}" for name, v in priors.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "drafts": len(rows), "scores": result}, f, indent=1)
+        json.dump({"config": vars(args), "drafts": len(rows), "scores": result, "prior_mse": priors}, f, indent=1)
     print(f"Written: {args.out}")
     return 0
 

@@ -23,10 +23,8 @@ def register() -> None:
     if _REGISTERED_PID == os.getpid():
         return
     from vllm_dflash import patches
-    from vllm_dflash.adaptive import prometheus
 
     patches.apply_all()
-    prometheus.install()  # adaptive-speculation metrics: stats folder for workers, /metrics collector
     _REGISTERED_PID = os.getpid()
     marker = os.environ.get("VLLM_DFLASH_REGISTER_MARKER_DIR")
     if marker:

@@ -9,7 +9,8 @@ import os
 ADAPTIVE_SCHEDULE_ENV = "VLLM_DFLASH_ADAPTIVE_SCHEDULE"
 # Folder where workers keep their adaptive-speculation counters (memory-mapped
 # files) for the API server's /metrics; the plugin sets it in the frontend
-# process before the engine starts, so engine and worker processes inherit it.
+# process while vLLM builds the engine's config, before the engine processes
+# start, so they inherit it.
 # Not VLLM_-prefixed: vLLM warns about (or, with fail_on_environ_validation,
 # refuses) every VLLM_* variable it does not know, and this one is set by the
 # plugin itself, not by the user.
@@ -28,3 +29,7 @@ def stats_dir() -> str | None:
 
 def set_stats_dir(path: str) -> None:
     os.environ[STATS_DIR_ENV] = path
+
+
+def clear_stats_dir() -> None:
+    os.environ.pop(STATS_DIR_ENV, None)

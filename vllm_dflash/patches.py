@@ -136,6 +136,10 @@ def _complete_dflash_speculative_config() -> None:
                 self.speculative_config = adaptive_option.without_key(given)
             if adaptive:
                 self.async_scheduling = adaptive_option.scheduling_for_adaptive(self.async_scheduling)
+            if spec.get("method") == "dflash":  # this engine's metrics folder (or none), before it starts
+                from vllm_dflash.adaptive import prometheus
+
+                prometheus.start_engine(bool(adaptive))
             try:
                 result = original(self, target_model_config, target_parallel_config)
             finally:
@@ -187,8 +191,9 @@ SERVING_PATCHES: list[Patch] = [
         "(block_size - 1) and validate the draft config before SpeculativeConfig fails deep; "
         "translate vllm-dflash's draft_sample key (argmax|sample; SpeculativeConfig forbids "
         "unknown keys) into vLLM's draft_sample_method (greedy|probabilistic); take out the "
-        "adaptive key, record it in the draft's dflash_config for the workers and turn async "
-        "scheduling off for it (EngineArgs.async_scheduling, read after this method)",
+        "adaptive key, record it in the draft's dflash_config for the workers, turn async "
+        "scheduling off for it (EngineArgs.async_scheduling, read after this method) and set up "
+        "the engine's adaptive-metrics folder before the engine processes start",
         signature=("self", "target_model_config", "target_parallel_config"),
         install=_complete_dflash_speculative_config,
         plugin_only=False,

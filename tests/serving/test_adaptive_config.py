@@ -93,3 +93,22 @@ def test_in_tree_dflash_takes_no_adaptive(pair, monkeypatch):
     engine_args(target_dir, {**spec, "adaptive": False}).create_engine_config()
     with pytest.raises(ValueError, match="adaptive=true needs vllm-dflash's DFlash proposer"):
         engine_args(target_dir, {**spec, "adaptive": True}).create_engine_config()
+
+
+def test_each_adaptive_engine_gets_its_own_metrics_folder(pair):
+    """The frontend sets the workers' stats folder while building each engine's config: a new
+    engine never shows an earlier one's counters, and a static engine shows none."""
+    import os
+
+    from vllm_dflash import envs
+    from vllm_dflash.adaptive import prometheus
+
+    target_dir, draft_dir = pair
+    spec = {"method": "dflash", "model": draft_dir}
+    engine_args(target_dir, spec).create_engine_config()
+    first = envs.stats_dir()
+    assert first and os.path.isdir(first) and prometheus._collector.folder == first
+    engine_args(target_dir, spec).create_engine_config()
+    assert envs.stats_dir() not in (None, first) and prometheus._collector.folder == envs.stats_dir()
+    engine_args(target_dir, {**spec, "adaptive": False}).create_engine_config()
+    assert envs.stats_dir() is None and prometheus._collector.folder is None

@@ -5,18 +5,20 @@ verification outcomes); /metrics is served by the API server process. The
 worker keeps its counters in a memory-mapped file (`stats.AdaptiveStats`)
 in the folder named by _VLLM_DFLASH_STATS_DIR, updated in place every step;
 a prometheus_client collector in the frontend reads the files when metrics
-are collected. `install()` runs at plugin registration in every vLLM
-process: in the first one (the frontend, before it starts the engine) the
-variable is unset, so it creates the folder and sets the variable, which
-engine and worker processes started afterwards inherit; every process
-registers the collector in prometheus_client's default REGISTRY, the
-registry vLLM's /metrics serves with one API server and
-`LLM.get_metrics()` reads.
-(With several API servers vLLM serves a multiprocess registry instead; these
+are collected. `start_engine()` runs in the frontend while vLLM builds an
+engine's config (patch 4, before the engine processes start): for an
+adaptive DFlash engine it creates a fresh folder, sets the variable (engine
+and worker processes started afterwards inherit it; an in-process worker
+reads it when its proposer is built) and points the collector, registered
+once per process in prometheus_client's default REGISTRY, at it: the
+registry vLLM's /metrics serves with one API server and `LLM.get_metrics()`
+reads. Any other engine config clears both, so an engine never shows a
+previous engine's numbers, and a separate `vllm serve` started from a
+process that used the plugin does not read that process's workers. (With
+several API servers vLLM serves a multiprocess registry instead; these
 metrics are not in it.)
 
-Files are named PID-RANK.bin; files of processes that are gone are ignored,
-and a new engine in the same process overwrites its predecessor's file.
+Files are named PID-RANK.bin; files of processes that are gone are ignored.
 
 Metrics (positions 0-based, as vLLM's spec-decode per-position counter):
   vllm:dflash_adaptive_steps{reason}                 counter: engine steps per decision kind
@@ -41,7 +43,6 @@ from vllm_dflash import envs
 from vllm_dflash.adaptive import stats as adaptive_stats
 
 _FILE = re.compile(r"^(\d+)-(\d+)\.bin$")
-_installed_pid: int | None = None
 
 
 def stats_path(rank: int) -> str | None:
@@ -76,15 +77,15 @@ def read_all(folder: str | None = None) -> dict | None:
 
 
 class AdaptiveCollector:
-    """prometheus_client custom collector over `read_all()`."""
+    """prometheus_client custom collector over `read_all()` of its folder (None: nothing)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str | None):
         self.folder = folder
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        snap = read_all(self.folder)
+        snap = read_all(self.folder) if self.folder else None
         if snap is None:
             return
         steps = CounterMetricFamily("vllm:dflash_adaptive_steps", "Engine steps by adaptive decision kind",
@@ -119,21 +120,25 @@ class AdaptiveCollector:
             yield metric
 
 
-def install() -> None:
-    """Called by vllm_dflash.register() in every process; see the module docstring."""
-    global _installed_pid
-    if _installed_pid == os.getpid():
+_collector: AdaptiveCollector | None = None
+
+
+def start_engine(adaptive: bool) -> None:
+    """Frontend side of a new DFlash engine; see the module docstring."""
+    global _collector
+    if not adaptive:
+        envs.clear_stats_dir()
+        if _collector is not None:
+            _collector.folder = None
         return
-    _installed_pid = os.getpid()
-    folder = envs.stats_dir()
-    if folder is None:  # the first vLLM process of this run: the frontend
-        folder = tempfile.mkdtemp(prefix="vllm-dflash-stats-")
-        envs.set_stats_dir(folder)
-        owner = os.getpid()
-        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
-    from prometheus_client import REGISTRY
+    folder = tempfile.mkdtemp(prefix="vllm-dflash-stats-")
+    envs.set_stats_dir(folder)
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+    if _collector is None:
+        from prometheus_client import REGISTRY
 
-    # Also in engine and worker processes, where nothing serves it: harmless, and a
-    # frontend whose _VLLM_DFLASH_STATS_DIR the user set still gets its collector.
-
-    REGISTRY.register(AdaptiveCollector(folder))
+        _collector = AdaptiveCollector(folder)
+        REGISTRY.register(_collector)
+    else:
+        _collector.folder = folder

@@ -30,7 +30,6 @@ remembers, by request id, what it handed out, to learn from the outcome.)
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
@@ -67,13 +66,6 @@ def _tensor_parallel() -> tuple[int, int]:
         return 1, 0
 
 
-def _remove_stale_stats(rank: int) -> None:
-    """A static engine must not show the adaptive counters a previous engine of this process left."""
-    path = prometheus.stats_path(rank)
-    if path is not None and os.path.exists(path):
-        os.remove(path)
-
-
 class DFlashProposer(SpecDecodeBaseProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         spec = vllm_config.speculative_config
@@ -95,8 +87,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.confidence_feature = DEFAULT_FEATURE
         self._tp_size, tp_rank = _tensor_parallel()
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
-        if self.adaptive is None:
-            _remove_stale_stats(tp_rank)
         logger.info(
             "vllm-dflash DFlash proposer: draft %s, %s",
             spec.model,
