@@ -10,7 +10,10 @@ draft position's margin and top-1 features and its verification outcome are
 recorded; then `AcceptanceModel` is run online on each feature
 (prequential: predict each observed position from the past only, then
 learn from it) and scored by log loss and Brier score per request kind. A
-model without any confidence feature (position only) is the baseline.
+model without any confidence feature (position only) is the baseline,
+"+request" adds each request's own shift (`RequestOffsets`), and "used" is
+what the proposer scores with (the margin for argmax drafts, the drawn
+token's draft probability q(x) for sampled ones).
 Also: how well the plan's prior (before drafting) predicts the accepted
 count, a request's own last survival row against the pooled mean.
 """
@@ -65,7 +68,16 @@ def record(args) -> list[dict]:
         calls[-1]["top1"] = top1.cpu().numpy()
         return margin, margin_prior
 
+    original_draft_tokens = runner.drafter._draft_tokens
+
+    def draft_tokens(*args, **kwargs):  # what the proposer finally scores drafts with (q(x) for sampled ones)
+        ids, probs, conf = original_draft_tokens(*args, **kwargs)
+        if conf is not None:
+            calls[-1]["used"], calls[-1]["used_prior"] = (c.cpu().numpy() for c in conf)
+        return ids, probs, conf
+
     adaptive.begin = begin
+    runner.drafter._draft_tokens = draft_tokens
     proposer_module.draft_confidence = both
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(os.path.join(args.target, "eval_prompts.json")) as f:
@@ -95,25 +107,29 @@ def outcomes(calls: list[dict], k: int):
                 continue
             kind = 0 if prev["greedy"][i] else 1
             # Features were recorded flat, request-major: [B * k].
-            rows.append((kind, prev["margin"][i * k:(i + 1) * k], prev["top1"][i * k:(i + 1) * k],
-                         cur["verified"][j], cur["accepted"][j], req))
+            flat = slice(i * k, (i + 1) * k)
+            rows.append((kind, prev["margin"][flat], prev["top1"][flat], cur["verified"][j], cur["accepted"][j], req,
+                         prev["used"][flat], prev["used_prior"][flat]))
     return rows
 
 
 def prequential(rows, k: int, feature: str) -> dict:
     """Online log loss and Brier score of AcceptanceModel on one feature, per request kind."""
-    from vllm_dflash.adaptive.calibration import KIND_NAMES, AcceptanceModel
+    from vllm_dflash.adaptive.calibration import KIND_NAMES, AcceptanceModel, RequestOffsets
 
-    model = AcceptanceModel(k)
+    model, offsets = AcceptanceModel(k), RequestOffsets()
     loss = {name: [0.0, 0.0, 0] for name in KIND_NAMES}  # log loss sum, Brier sum, count
-    for kind, margin_f, top1_f, n, a, _ in rows:
-        if feature == "margin":
+    for kind, margin_f, top1_f, n, a, req, used_f, used_prior in rows:
+        if feature in ("used", "used+request"):  # margin for argmax drafts, q(x) for sampled ones
+            f, prior = used_f, used_prior
+        elif feature in ("margin", "margin+request"):
             f, prior = margin_f, (1 + margin_f) / 2  # tanh(d / 2) and sigmoid(d), as the proposer uses them
         elif feature == "top1":
             f, prior = top1_f, top1_f
         else:  # position only
             f, prior = np.full(k, 0.5), np.full(k, 0.5)
-        p = model.conditional(np.array([kind]), f[None, :], prior[None, :])[0]
+        shared = model.conditional(np.array([kind]), f[None, :], prior[None, :])
+        p = offsets.apply([req], shared)[0] if feature.endswith("+request") else shared[0]
         observed = np.arange(k) < min(a + 1, n)
         y = (np.arange(k) < a)[observed]
         q = np.clip(p[observed], 1e-6, 1 - 1e-6)
@@ -122,6 +138,7 @@ def prequential(rows, k: int, feature: str) -> dict:
         entry[1] += float(((q - y) ** 2).sum())
         entry[2] += int(observed.sum())
         model.update(np.array([kind]), f[None, :], np.array([n]), np.array([a]))
+        offsets.update([req], shared, observed[None, :], (np.arange(k) < a)[None, :])
     return {name: {"log_loss": v[0] / v[2], "brier": v[1] / v[2], "observations": v[2]}
             for name, v in loss.items() if v[2]}
 
@@ -156,15 +173,27 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--out", default="runs/adaptive-features.json")
+    p.add_argument("--rows", default=None,
+                   help="score the rows a previous run saved (OUT.rows.pkl) instead of running the engine")
     args = p.parse_args()
-    rows = outcomes(record(args), args.k)
-    result = {feature: prequential(rows, args.k, feature) for feature in ("margin", "top1", "position")}
-    priors = prior_quality([(req, kind, m, n, a) for kind, m, _, n, a, req in rows], args.k)
+    import pickle
+
+    if args.rows:
+        with open(args.rows, "rb") as f:
+            rows = pickle.load(f)
+    else:
+        rows = outcomes(record(args), args.k)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".rows.pkl", "wb") as f:
+            pickle.dump(rows, f)
+    result = {feature: prequential(rows, args.k, feature)
+              for feature in ("margin", "top1", "position", "margin+request", "used", "used+request")}
+    priors = prior_quality([(req, kind, m, n, a) for kind, m, _, n, a, req, _, _ in rows], args.k)
     print(f"{len(rows)} verified drafts")
-    print(f"{'feature':<10}{'kind':<9}{'log loss':>10}{'Brier':>9}{'observed':>10}")
+    print(f"{'feature':<16}{'kind':<9}{'log loss':>10}{'Brier':>9}{'observed':>10}")
     for feature, kinds in result.items():
         for kind, v in kinds.items():
-            print(f"{feature:<10}{kind:<9}{v['log_loss']:>10.4f}{v['brier']:>9.4f}{v['observations']:>10d}")
+            print(f"{feature:<16}{kind:<9}{v['log_loss']:>10.4f}{v['brier']:>9.4f}{v['observations']:>10d}")
     print("expected accepted tokens before drafting, mean squared error: " +
           ", ".join(f"{name} {v:.3f}" for name, v in priors.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

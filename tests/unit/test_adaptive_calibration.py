@@ -144,5 +144,29 @@ def test_survival_prior_per_request_and_mean():
     np.testing.assert_allclose(rows[0, :2], [0.5, 0.2])  # b's own last row
     np.testing.assert_allclose(rows[1], mean)  # c: no history
     assert np.all(rows[0, 2:] <= 0.2)
+    for _ in range(8):  # b's row fades into the mean while b drafts nothing (exp(-8/4) left)
+        prior.forget(["a", "b"])
+    np.testing.assert_allclose(prior.rows(["b"], np.array([GREEDY]))[0, 0], 0.5 * np.exp(-2) + 0.7 * (1 - np.exp(-2)))
     prior.forget(["c"])
     assert prior.rows(["b"], np.array([GREEDY]))[0, 0] == pytest.approx(mean[0])
+
+
+def test_request_offsets_follow_each_requests_own_acceptance():
+    """The shared model says 0.6 everywhere; one request accepts 85% of the time, another
+    30%. After 60 steps of 6 observed positions each, each request's shifted prediction
+    is within 0.1 of its own rate (decay 0.95: about the last 20 steps count, ~120
+    observations, binomial sd <= 0.046, plus the shrinkage of 4 pseudo-observations);
+    a request without outcomes keeps the shared 0.6."""
+    from vllm_dflash.adaptive.calibration import RequestOffsets
+
+    rng = np.random.default_rng(8)
+    offsets = RequestOffsets()
+    shared = np.full((2, 6), 0.6)
+    rates = np.array([0.85, 0.30])
+    for _ in range(60):
+        accepted = rng.random((2, 6)) < rates[:, None]
+        offsets.update(["easy", "hard"], shared, np.ones((2, 6), dtype=bool), accepted)
+    p = offsets.apply(["easy", "hard", "new"], np.full((3, 2), 0.6))
+    assert abs(p[0, 0] - 0.85) < 0.1 and abs(p[1, 0] - 0.30) < 0.1 and p[2, 0] == pytest.approx(0.6), p
+    offsets.forget(["hard"])
+    assert offsets.apply(["easy"], np.full((1, 1), 0.6))[0, 0] == pytest.approx(0.6)

@@ -4,7 +4,8 @@ Per propose() call (one engine step):
 
 1. `begin(now, ...)`: the verification outcomes of the drafts handed out at
    the previous step arrive (per request id: positions verified, accepted)
-   and train the acceptance model and the statistics; the wall time since
+   and train the shared acceptance model, each request's own shift of it
+   (`calibration.RequestOffsets`) and the statistics; the wall time since
    the previous call ended is the step outside drafting, E(R, tokens), kept
    only for steady decode steps (the same requests, no prefill, so no idle
    gap or prompt is in it); then the controller plans q.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED
+from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets
 from vllm_dflash.adaptive.controller import BudgetController, ForcedSchedule, Plan
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
@@ -32,8 +33,9 @@ from vllm_dflash.adaptive.stats import AdaptiveStats
 @dataclass
 class _Pending:
     kind: int
-    feature: np.ndarray  # [b] confidence feature of the verified positions
-    survival: np.ndarray  # [b] predicted survival
+    feature: np.ndarray  # [b] confidence feature of the positions handed out
+    shared: np.ndarray  # [b] the shared model's conditional acceptance there (before the request's shift)
+    survival: np.ndarray  # [b] predicted survival (with the shift): what the decision used
 
 
 @dataclass
@@ -53,6 +55,7 @@ class AdaptiveSpeculation:
         self.controller = BudgetController(max_k, max_requests, seed=seed, **controller_kwargs)
         self.schedule = ForcedSchedule(schedule, max_k, seed) if schedule else None
         self.stats = stats if stats is not None else AdaptiveStats(max_k)
+        self.offsets = RequestOffsets()
         self._pending: dict[str, _Pending] = {}
         self._prev_req_ids: set[str] = set()
         self._prev_end: float | None = None
@@ -90,20 +93,21 @@ class AdaptiveSpeculation:
             n = int(num_verified[i])
             if pending is None or n == 0 or n > pending.feature.shape[0]:
                 continue
-            rows.append((pending, n, int(num_accepted[i])))
+            rows.append((req_id, pending, n, int(num_accepted[i])))
         self._pending.clear()
         if not rows:
             return
-        width = max(n for _, n, _ in rows)
-        feature = np.zeros((len(rows), width))
-        survival = np.zeros((len(rows), width))
-        for r, (p, n, _) in enumerate(rows):
-            feature[r, :n] = p.feature[:n]
-            survival[r, :n] = p.survival[:n]
-        kinds = np.array([p.kind for p, _, _ in rows])
-        verified = np.array([n for _, n, _ in rows])
-        accepted = np.array([a for _, _, a in rows])
+        width = max(n for _, _, n, _ in rows)
+        feature, shared, survival = (np.zeros((len(rows), width)) for _ in range(3))
+        for r, (_, p, n, _) in enumerate(rows):
+            feature[r, :n], shared[r, :n], survival[r, :n] = p.feature[:n], p.shared[:n], p.survival[:n]
+        kinds = np.array([p.kind for _, p, _, _ in rows])
+        verified = np.array([n for _, _, n, _ in rows])
+        accepted = np.array([a for _, _, _, a in rows])
         self.controller.acceptance.update(kinds, feature, verified, accepted)
+        pos = np.arange(width)[None, :]
+        self.offsets.update([r for r, _, _, _ in rows], shared, pos < np.minimum(accepted + 1, verified)[:, None],
+                            pos < accepted[:, None])
         self.stats.record_outcomes(survival, verified, accepted)
 
     def choose(self, now: float, feature: np.ndarray, prior: np.ndarray) -> np.ndarray:
@@ -114,8 +118,8 @@ class AdaptiveSpeculation:
         if feature.shape[1] == 0:  # nothing drafted this step
             st.budgets = np.zeros(len(st.req_ids), dtype=np.int64)
             return st.budgets
-        conditional = self.controller.acceptance.conditional(st.kinds, feature, prior)
-        survival = np.cumprod(conditional, axis=1)
+        shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
+        survival = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
         planner = self.schedule or self.controller
         budgets = planner.budgets(st.plan, survival, now - st.t0, st.eligible)
         budgets = np.where(st.eligible, np.minimum(budgets, feature.shape[1]), 0)
@@ -125,7 +129,8 @@ class AdaptiveSpeculation:
         for i, req_id in enumerate(st.req_ids):
             b = int(budgets[i])
             if b > 0:
-                self._pending[req_id] = _Pending(int(st.kinds[i]), feature[i, :b].copy(), survival[i, :b].copy())
+                self._pending[req_id] = _Pending(int(st.kinds[i]), feature[i, :b].copy(), shared[i, :b].copy(),
+                                                 survival[i, :b].copy())
         return budgets
 
     def end(self, now: float) -> None:
@@ -139,6 +144,7 @@ class AdaptiveSpeculation:
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)
+        self.offsets.forget(st.req_ids)
         self._prev_req_ids = set(st.req_ids)
         self._prev_end = now
         self._step = None

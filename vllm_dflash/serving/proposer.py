@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_dflash import envs, ops
 from vllm_dflash.adaptive import prometheus
-from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence
+from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence, sampled_confidence
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving import profile
@@ -64,6 +65,17 @@ def _tensor_parallel() -> tuple[int, int]:
         return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     except (AssertionError, RuntimeError):  # distributed not initialised (tests building a proposer alone)
         return 1, 0
+
+
+class _StepInputs(NamedTuple):
+    """What the runner hands propose() that drafting a block needs."""
+
+    target_positions: torch.Tensor
+    target_hidden_states: torch.Tensor
+    next_token_ids: torch.Tensor
+    cad: CommonAttentionMetadata
+    sampling_metadata: SamplingMetadata
+    num_rejected_tokens_gpu: torch.Tensor | None
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
@@ -191,23 +203,15 @@ class DFlashProposer(SpecDecodeBaseProposer):
         per token, [T, L*D], for all T tokens of the last target pass
         (rejected drafts included).
         """
-        block_args = (target_positions, target_hidden_states, next_token_ids, common_attn_metadata,
-                      sampling_metadata, num_rejected_tokens_gpu)
+        step = _StepInputs(target_positions, target_hidden_states, next_token_ids, common_attn_metadata,
+                           sampling_metadata, num_rejected_tokens_gpu)
         if self.adaptive is not None:
-            return self._propose_adaptive(*block_args)
+            return self._propose_adaptive(step)
         self.num_speculative_tokens = num_speculative_tokens
-        return self._propose_block(num_speculative_tokens, *block_args)[0]
+        return self._propose_block(num_speculative_tokens, step)[0]
 
     def _propose_block(
-        self,
-        q: int,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        cad: CommonAttentionMetadata,
-        sampling_metadata: SamplingMetadata,
-        num_rejected_tokens_gpu: torch.Tensor | None,
-        confidence: bool = False,
+        self, q: int, inputs: _StepInputs, confidence: bool = False
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Write the new context K/V, then draft the block [bonus, MASK x q]:
         ([B, q] draft ids, (feature, prior) [B, q] confidences or None).
@@ -221,6 +225,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         """
         self._last_draft_probs = None
         self.last_draft_probs = None
+        target_positions, target_hidden_states, next_token_ids, cad, sampling_metadata, num_rejected_tokens_gpu = inputs
         batch_size = next_token_ids.shape[0]
         num_rows = target_positions.shape[0]
         q_len = q + 1
@@ -289,15 +294,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             conf = tuple(c.view(batch_size, q) for c in conf)
         return self.last_draft_block, conf
 
-    def _propose_adaptive(
-        self,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        cad: CommonAttentionMetadata,
-        sampling_metadata: SamplingMetadata,
-        num_rejected_tokens_gpu: torch.Tensor | None,
-    ) -> list[list[int]]:
+    def _propose_adaptive(self, inputs: _StepInputs) -> list[list[int]]:
         """Per request, the draft tokens worth verifying (`vllm_dflash.adaptive`).
 
         The runner hands the lists to the scheduler as each request's
@@ -310,7 +307,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         The context K/V of every verified token is written whatever q is.
         """
         adaptive, runner = self.adaptive, self.runner
-        batch_size = next_token_ids.shape[0]
+        num_rejected_tokens_gpu, sampling_metadata = inputs.num_rejected_tokens_gpu, inputs.sampling_metadata
+        batch_size = inputs.next_token_ids.shape[0]
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
         t0 = time.perf_counter()
@@ -324,12 +322,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         greedy = sampling_params.greedy_mask(
             None if sampling_metadata.all_greedy else sampling_metadata.temperature, batch_size, self.device)
         eligible = ~runner.discard_request_mask.np[:batch_size].astype(bool)
-        plan = adaptive.begin(t0, req_ids, verified, accepted, target_positions.shape[0],
+        plan = adaptive.begin(t0, req_ids, verified, accepted, inputs.target_positions.shape[0],
                               greedy.cpu().numpy(), eligible)
         q = self._same_on_every_rank(plan.q)
-        drafts, conf = self._propose_block(
-            q, target_positions, target_hidden_states, next_token_ids, cad, sampling_metadata,
-            num_rejected_tokens_gpu, confidence=True)
+        drafts, conf = self._propose_block(q, inputs, confidence=True)
         if q == 0:
             feature = prior = np.zeros((batch_size, 0))
             rows: list[list[int]] = [[] for _ in range(batch_size)]
@@ -356,12 +352,18 @@ class DFlashProposer(SpecDecodeBaseProposer):
         """(draft ids, draft probabilities or None, (feature, prior) confidences or None).
 
         Argmax drafts, or vLLM's probabilistic draft sampling when enabled
-        (then the probabilities also go to the rejection sampler)."""
+        (then the probabilities also go to the rejection sampler). Sampled
+        drafts are scored by the probability they were drawn with
+        (`sampled_confidence`), argmax drafts by the logit margin."""
         logits = self.model.compute_logits(hidden_states)
         conf = draft_confidence(logits, self.confidence_feature) if confidence else None
         if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
             draft_ids, probs = self._sample_from_logits(logits, sampling_metadata)
             self._last_draft_probs = probs.view(-1, width, probs.shape[-1])
+            if conf is not None:
+                sampled = ~sampling_params.greedy_mask(sampling_metadata.temperature, probs.shape[0] // width,
+                                                       probs.device).repeat_interleave(width)
+                conf = sampled_confidence(conf, probs, draft_ids, sampled)
             return draft_ids, probs, conf
         probs = logits.softmax(dim=-1, dtype=torch.float32) if self.keep_draft_probs else None
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
