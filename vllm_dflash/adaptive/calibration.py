@@ -23,6 +23,11 @@ positions, whose own prior is the draft's confidence itself:
 `prior` is the probability the confidence feature stands for (the top-1
 probability, or the two-way probability of the top-1/top-2 margin). Greedy
 and sampled requests accept differently, so each kind has its own tables.
+
+`RequestOffsets` shifts the shared estimate per request on the logit scale,
+learned from that request's own outcomes (its text may be easier or harder
+than the confidence says); `SurvivalPrior` holds what a draft is expected
+to yield before it exists, for choosing how much to draft.
 """
 
 from __future__ import annotations
