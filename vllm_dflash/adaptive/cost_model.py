@@ -16,8 +16,9 @@ observation is spread over the four surrounding knots (bilinear weights in
 R and t); each knot keeps an exponentially forgetting weighted mean
 (`memory` observations), and an observation far from its knot's estimate is
 clipped to a factor `clip` of it (idle gaps, a stalled process). A
-prediction fits each R row non-decreasing in t (weighted pool-adjacent-
-violators), interpolates linearly between knots that hold data,
+prediction smooths each R row over t (local straight-line fits, so a knot
+measured a few times leans on well-measured neighbours), fits it
+non-decreasing in t (weighted pool-adjacent-violators), interpolates linearly between knots that hold data,
 extrapolates outside them through the origin (t / t0 scaling: a cost that
 grows with the tokens computed, pessimistic for longer blocks until they are
 measured), and interpolates linearly in R between the nearest rows that hold
@@ -42,6 +43,29 @@ def request_knots(max_requests: int) -> np.ndarray:
     return np.array(knots, dtype=np.float64)
 
 
+def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) -> np.ndarray:
+    """Each y smoothed by a weighted straight-line fit over its neighbours (tricube
+    kernel, `bandwidth` in x units, widened where the neighbours hold little weight):
+    a knot measured a few times leans on the well-measured ones around it."""
+    out = np.empty_like(y)
+    enough = min(4.0, 0.5 * float(w.sum()))  # observations' worth of weight a fit needs
+    for i, xi in enumerate(x):
+        h = bandwidth
+        while True:
+            d = np.abs(x - xi) / h
+            k = w * np.clip(1 - d**3, 0, None) ** 3
+            if k.sum() >= enough or h > x[-1] - x[0] + 1:
+                break
+            h *= 1.5
+        sw = k.sum()
+        mx = (k * x).sum() / sw
+        my = (k * y).sum() / sw
+        var = (k * (x - mx) ** 2).sum()
+        slope = (k * (x - mx) * (y - my)).sum() / var if var > 1e-12 else 0.0
+        out[i] = my + slope * (xi - mx)
+    return out
+
+
 def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted least-squares non-decreasing fit of `values`."""
     blocks: list[list[float]] = []  # [mean, weight, count]
@@ -58,7 +82,7 @@ class StepCost:
     """Online cost surface seconds(R, t); see the module docstring."""
 
     def __init__(self, max_tokens_per_request: int, max_requests: int, memory: float = 200.0,
-                 clip: float = 3.0, min_weight: float = 0.5):
+                 clip: float = 3.0, min_weight: float = 0.5, bandwidth: float = 3.0):
         if max_tokens_per_request < 1 or max_requests < 1:
             raise ValueError("max_tokens_per_request and max_requests must be >= 1")
         self.r_knots = request_knots(max_requests)
@@ -67,6 +91,7 @@ class StepCost:
         self.weight = np.zeros(shape)
         self.mean = np.zeros(shape)
         self.memory, self.clip, self.min_weight = float(memory), float(clip), float(min_weight)
+        self.bandwidth = float(bandwidth)
         self.observations = 0
         self._rows: dict[int, np.ndarray | None] = {}
 
@@ -119,7 +144,7 @@ class StepCost:
         curve = None
         if known.any():
             ts = self.t_knots[known]
-            fit = pool_adjacent_violators(self.mean[r][known], w[known])
+            fit = pool_adjacent_violators(local_linear(ts, self.mean[r][known], w[known], self.bandwidth), w[known])
             curve = np.interp(self.t_knots, ts, fit)  # once per row and observation, not per prediction
             below, above = self.t_knots < ts[0], self.t_knots > ts[-1]
             curve[below] = fit[0] * self.t_knots[below] / ts[0]
