@@ -18,6 +18,7 @@ so the draft allocates neither. Written against vLLM 0.32.0.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -42,6 +43,9 @@ from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefi
 from vllm.transformers_utils.config import set_default_rope_theta
 
 from vllm_dflash import ops
+from vllm_dflash.serving import context_precision
+
+logger = logging.getLogger("vllm.vllm_dflash")  # under vLLM's logger, so its handler prints it
 
 # (fused parameter, checkpoint name part it holds, shard id), as in vLLM's Qwen models.
 STACKED_PARAMS = (
@@ -285,10 +289,45 @@ class DFlashModel(nn.Module):
                 prefix=f"{prefix}.context_kv_proj",
                 return_bias=False,
             )
+        self._fp32_weights: tuple | None = None  # decided at the first context write
 
     def project_context_kv(self, target_features: torch.Tensor) -> torch.Tensor:
         """Raw K/V (before k_norm and RoPE) of context tokens in every layer,
-        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection."""
+        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection (in
+        float32 where that is faster here: `serving.context_precision`)."""
+        attn = self.layers[0].self_attn
+        shape = (target_features.shape[0], len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
+        if self._fp32_weights is None:
+            self._fp32_weights = self._choose_context_precision(target_features)
+        if self._fp32_weights:
+            return context_precision.project_fp32(target_features, *self._fp32_weights).to(
+                target_features.dtype).view(shape)
+        return self._project_context_kv_native(target_features).view(shape)
+
+    def _choose_context_precision(self, target_features: torch.Tensor) -> tuple:
+        """() for the model's own dtype, else the float32 weights of project_fp32."""
+        norm, kv_proj = self.hidden_norm, self.context_kv_proj
+        plain = (kv_proj is not None and norm.has_weight and norm.variance_size_override is None
+                 and isinstance(getattr(self.fc, "weight", None), torch.Tensor)
+                 and isinstance(getattr(kv_proj, "weight", None), torch.Tensor))
+        if target_features.device.type != "cpu" or target_features.dtype == torch.float32 or not plain:
+            return ()
+        bias = getattr(kv_proj, "bias", None)
+        weights = (self.fc.weight.detach().float(), norm.weight.detach().float(), norm.variance_epsilon,
+                   kv_proj.weight.detach().float(), None if bias is None else bias.detach().float())
+        sample = target_features[:64]
+        if sample.shape[0] < 16:  # decide on a batch that stands for a step, not on one token
+            sample = sample.repeat((16 + sample.shape[0] - 1) // sample.shape[0], 1)[:16]
+        choice = context_precision.choose_faster({
+            "native": lambda: self._project_context_kv_native(sample),
+            "float32": lambda: context_precision.project_fp32(sample, *weights).to(sample.dtype),
+        })
+        logger.info("vllm-dflash: context K/V projection in %s (measured faster than %s here)",
+                    choice if choice == "float32" else str(target_features.dtype),
+                    str(target_features.dtype) if choice == "float32" else "float32")
+        return weights if choice == "float32" else ()
+
+    def _project_context_kv_native(self, target_features: torch.Tensor) -> torch.Tensor:
         context = self.fc(target_features)
         norm = self.hidden_norm
         if norm.has_weight and norm.variance_size_override is None and norm.weight.dtype == context.dtype:
@@ -297,12 +336,9 @@ class DFlashModel(nn.Module):
             context = ops.rms_norm(context, norm.weight, norm.variance_epsilon)
         else:
             context = norm(context)
-        attn = self.layers[0].self_attn
         if self.context_kv_proj is not None:
-            kv = self.context_kv_proj(context)
-        else:
-            kv = torch.stack([layer.self_attn.project_context_kv(context) for layer in self.layers], dim=1)
-        return kv.view(context.shape[0], len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
+            return self.context_kv_proj(context)
+        return torch.stack([layer.self_attn.project_context_kv(context) for layer in self.layers], dim=1)
 
     def norm_rope_context_kv(
         self, kv: torch.Tensor, positions: torch.Tensor
