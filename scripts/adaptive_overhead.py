@@ -5,7 +5,10 @@
 Runs `vllm_dflash.adaptive.AdaptiveSpeculation` (outcome matching, calibration
 update, step-time sample, plan, posterior survival, budgets, stats) on
 synthetic inputs for a steady batch of R requests, after its warm-up, and
-prints the mean microseconds per step with the machine and its load. No
+prints the mean CPU microseconds per step (thread time, so other processes
+on a busy machine do not inflate it) with the machine and its load, once
+where verification is cheap (the controller drafts) and once where it is
+dear (it stops drafting: the regime where overhead counts most). No
 engine: the draft forward and everything vLLM does are not in the figure.
 """
 
@@ -21,25 +24,30 @@ from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.machine import describe
 
 
-def measure(requests: int, k: int, steps: int, seed: int = 0) -> float:
+def measure(requests: int, k: int, steps: int, seed: int = 0, verify_cost: float = 2e-4) -> tuple[float, float]:
+    """(microseconds per step, share of steps that drafted) with a synthetic step: 2 ms plus
+    `verify_cost` seconds per verified token per request outside drafting, and drafting
+    0.5 ms plus 0.1 ms per drafted position."""
     rng = np.random.default_rng(seed)
     spec = AdaptiveSpeculation(k, max(requests, 1), seed=seed)
     ids = [f"req-{i}" for i in range(requests)]
     greedy, eligible = np.ones(requests, dtype=bool), np.ones(requests, dtype=bool)
     clock, budgets = 0.0, np.zeros(requests, dtype=np.int64)
-    timed = 0.0
-    for step in range(steps + 200):  # the first 200 steps: warm-up of the controller, not timed
-        verified = budgets
+    timed, drafted = 0.0, 0
+    for step in range(steps + 200):
+        verified = budgets  # what the previous step handed out is verified in this step's forward
         accepted = np.minimum(rng.geometric(0.3, size=requests) - 1, verified)
-        t0 = time.perf_counter()
+        clock += 2e-3 + verify_cost * verified.sum() / requests  # this step outside drafting
+        t0 = time.thread_time()  # CPU time of this thread: other processes on a busy machine stay out
         plan = spec.begin(clock, ids, verified, accepted, requests + int(verified.sum()), greedy, eligible)
         feature = rng.random((requests, plan.q))
         budgets = spec.choose(clock + 1e-3, feature, feature)
-        spec.end(clock + 2e-3)
+        clock += 5e-4 + 1e-4 * plan.q  # this step's drafting
+        spec.end(clock)
         if step >= 200:
-            timed += time.perf_counter() - t0
-        clock += 4e-3 + 2e-4 * verified.sum() / requests  # a synthetic step time, growing with verified tokens
-    return timed / steps * 1e6
+            timed += time.thread_time() - t0
+            drafted += plan.q > 0
+    return timed / steps * 1e6, drafted / steps
 
 
 def main() -> int:
@@ -50,8 +58,10 @@ def main() -> int:
     args = p.parse_args()
     print(describe())
     for r in (int(x) for x in args.requests.split(",")):
-        us = measure(r, args.k, args.steps)
-        print(f"R={r:3d} k={args.k}: {us:7.1f} us per step (1-min load average {os.getloadavg()[0]:.1f})")
+        for label, verify_cost in (("verification cheap", 2e-4), ("verification dear", 2e-2)):
+            us, drafted = measure(r, args.k, args.steps, verify_cost=verify_cost)
+            print(f"R={r:3d} k={args.k}, {label}: {us:7.1f} us per step, {100 * drafted:3.0f}% of steps drafted "
+                  f"(1-min load average {os.getloadavg()[0]:.1f})")
     return 0
 
 

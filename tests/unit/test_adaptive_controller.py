@@ -28,6 +28,7 @@ def controller(step_cost, draft_cost, requests=(1, 4, 16, 64), **kwargs) -> Budg
                 c.step_cost.observe(r, t, step_cost(r, t))
                 c.draft_cost.observe(r, t, draft_cost(r, t))
         c._warmup_done[c._warmup_key(r)] = c.warmup_steps
+        c._warmup_total += c.warmup_steps
     return c
 
 

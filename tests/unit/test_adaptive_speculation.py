@@ -29,6 +29,7 @@ def test_outcomes_are_matched_by_request_id_and_censored():
     s = spec.stats.snapshot()
     assert s["verified_per_pos"] == [2, 2, 2, 2]
     assert s["accepted_per_pos"] == [2, 1, 1, 1]
+    spec.learn()  # the models learn in batches (every learn_every steps); the counters above at once
     obs = spec.acceptance.observed.sum(axis=(0, 1))
     assert obs.tolist() == [2, 2, 1, 1]  # a: positions 1-2 observed (1 accepted, 2 rejected), 3-4 censored
     # A request the scheduler gave fewer drafts than budgeted is observed over what was verified.

@@ -74,7 +74,7 @@ class BudgetController:
 
     def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
-                 per_request_prior: bool = True, refresh_steps: int = 8):
+                 per_request_prior: bool = True, refresh_steps: int = 16):
         if max_k < 1:
             raise ValueError(f"max_k={max_k} must be >= 1")
         self.max_k = max_k
@@ -90,6 +90,7 @@ class BudgetController:
         self.per_request_prior = per_request_prior
         self.refresh_steps = refresh_steps
         self._warmup_done: dict[int, int] = {}
+        self._warmup_total = 0
         self._knots = self.step_cost.r_knots.tolist()
         self._decisions = 0
         # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds).
@@ -109,7 +110,7 @@ class BudgetController:
         if not (self.step_cost.ready and self.draft_cost.ready):
             return True
         done = self._warmup_done.get(self._warmup_key(requests), 0)
-        first = sum(self._warmup_done.values()) - done < self.warmup_steps  # no other size warmed up yet
+        first = self._warmup_total - done < self.warmup_steps  # no other size warmed up yet
         return done < (self.warmup_steps if first else self.knot_warmup_steps)
 
     def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
@@ -120,6 +121,7 @@ class BudgetController:
         if self.in_warmup(requests):
             key = self._warmup_key(requests)
             self._warmup_done[key] = self._warmup_done.get(key, 0) + 1
+            self._warmup_total += 1
             q = self.max_k if self.rng.random() < 0.5 else int(self.rng.integers(0, self.max_k + 1))
             return Plan(q, WARMUP)
         step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)

@@ -45,25 +45,28 @@ def request_knots(max_requests: int) -> np.ndarray:
 
 def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) -> np.ndarray:
     """Each y smoothed by a weighted straight-line fit over its neighbours (tricube
-    kernel, `bandwidth` in x units, widened where the neighbours hold little weight):
-    a knot measured a few times leans on the well-measured ones around it."""
-    out = np.empty_like(y)
-    enough = min(4.0, 0.5 * float(w.sum()))  # observations' worth of weight a fit needs
-    for i, xi in enumerate(x):
-        h = bandwidth
-        while True:
-            d = np.abs(x - xi) / h
-            k = w * np.clip(1 - d**3, 0, None) ** 3
-            if k.sum() >= enough or h > x[-1] - x[0] + 1:
-                break
-            h *= 1.5
-        sw = k.sum()
-        mx = (k * x).sum() / sw
-        my = (k * y).sum() / sw
-        var = (k * (x - mx) ** 2).sum()
-        slope = (k * (x - mx) * (y - my)).sum() / var if var > 1e-12 else 0.0
-        out[i] = my + slope * (xi - mx)
-    return out
+    kernel, `bandwidth` in x units, widened 1.5x at a time where the neighbours hold
+    less than 4 observations' worth of weight): a knot measured a few times leans on
+    the well-measured ones around it. Vectorised over knots and bandwidths."""
+    span = float(x[-1] - x[0]) + 1.0
+    widths = [bandwidth]
+    while widths[-1] <= span:
+        widths.append(widths[-1] * 1.5)
+    h = np.array(widths)[:, None, None]  # [H, 1, 1]
+    d = np.abs(x[:, None] - x[None, :])[None] / h  # [H, i, j]
+    k = w[None, None, :] * np.clip(1 - d**3, 0, None) ** 3
+    enough = min(4.0, 0.5 * float(w.sum()))
+    total = k.sum(axis=2)  # [H, i]
+    pick = np.argmax(total >= enough - 1e-12, axis=0)  # the narrowest bandwidth that suffices
+    pick = np.where((total >= enough - 1e-12).any(axis=0), pick, len(widths) - 1)
+    k = k[pick, np.arange(len(x))]  # [i, j]
+    sw = k.sum(axis=1)
+    mx, my = (k @ x) / sw, (k @ y) / sw
+    dx = x[None, :] - mx[:, None]
+    var = (k * dx**2).sum(axis=1)
+    cov = (k * dx * (y[None, :] - my[:, None])).sum(axis=1)
+    slope = np.where(var > 1e-12, cov / np.where(var > 1e-12, var, 1.0), 0.0)
+    return my + slope * (x - mx)
 
 
 def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -86,6 +89,7 @@ class StepCost:
         if max_tokens_per_request < 1 or max_requests < 1:
             raise ValueError("max_tokens_per_request and max_requests must be >= 1")
         self.r_knots = request_knots(max_requests)
+        self._r_list = self.r_knots.tolist()
         self.t_knots = np.arange(1, max_tokens_per_request + 1, dtype=np.float64)
         shape = (len(self.r_knots), len(self.t_knots))
         self.weight = np.zeros(shape)
@@ -93,6 +97,7 @@ class StepCost:
         self.memory, self.clip, self.min_weight = float(memory), float(clip), float(min_weight)
         self.bandwidth = float(bandwidth)
         self.observations = 0
+        self._queued: list[tuple[int, float, float]] = []
         self._rows: dict[int, np.ndarray | None] = {}
 
     @property
@@ -101,7 +106,7 @@ class StepCost:
 
     def _r_corners(self, requests: float) -> list[tuple[int, float]]:
         x = min(max(requests, 1.0), self.r_knots[-1])
-        hi = min(bisect.bisect_left(self.r_knots.tolist(), x), len(self.r_knots) - 1)
+        hi = min(bisect.bisect_left(self._r_list, x), len(self.r_knots) - 1)
         if hi == 0 or self.r_knots[hi] == x:
             return [(hi, 1.0)]
         lo = hi - 1
@@ -117,8 +122,19 @@ class StepCost:
         return [(lo, 1.0 - f), (lo + 1, f)]
 
     def observe(self, requests: int, tokens_per_request: float, seconds: float) -> None:
+        """Queue one measurement; it is folded in before the next prediction (a step
+        observes every time but predicts rarely, so the knot arithmetic is batched)."""
         if not (seconds > 0 and math.isfinite(seconds)) or requests < 1:
             return
+        self._queued.append((requests, tokens_per_request, seconds))
+        self.observations += 1
+
+    def _fold_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        for sample in queued:
+            self._fold(*sample)
+
+    def _fold(self, requests: int, tokens_per_request: float, seconds: float) -> None:
         for r, wr in self._r_corners(requests):
             for t, wt in self._t_corners(tokens_per_request):
                 w = wr * wt
@@ -133,7 +149,6 @@ class StepCost:
                 self.mean[r, t] = (old * old_w * keep + x * w) / new_w
                 self.weight[r, t] = new_w
             self._rows.pop(r, None)
-        self.observations += 1
 
     def _row(self, r: int) -> np.ndarray | None:
         """[T] fitted curve of row r over the t knots, None without data."""
@@ -160,7 +175,9 @@ class StepCost:
         """Seconds for `requests` requests at each tokens-per-request value (array)."""
         if not self.ready:
             raise RuntimeError("StepCost.predict before any observation; check .ready")
-        t = np.clip(np.asarray(tokens_per_request, dtype=np.float64), 1.0, None)
+        if self._queued:
+            self._fold_queued()
+        t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
         rows = [r for r in range(len(self.r_knots)) if self._row(r) is not None]
         x = float(max(requests, 1))
         below = [r for r in rows if self.r_knots[r] <= x]
