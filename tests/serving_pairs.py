@@ -124,6 +124,50 @@ def spec_metrics_from_prometheus(text: str) -> dict:
     return out
 
 
+ADAPTIVE_METRICS = {
+    "vllm:dflash_adaptive_verified_tokens_per_pos": "verified_per_pos",
+    "vllm:dflash_adaptive_accepted_tokens_per_pos": "accepted_per_pos",
+    "vllm:dflash_adaptive_predicted_accepted_per_pos": "predicted_per_pos",
+}
+ADAPTIVE_HISTOGRAMS = {"vllm:dflash_adaptive_budget_tokens": "budget", "vllm:dflash_adaptive_query_tokens": "query"}
+
+
+def adaptive_metrics_from_llm(llm) -> dict:
+    """vllm-dflash's adaptive-speculation metrics from LLM.get_metrics():
+    per-position lists, and per histogram {bucket le: cumulative count} with its count and sum."""
+    from vllm.v1.metrics.reader import Histogram
+
+    out: dict = {field: {} for field in ADAPTIVE_METRICS.values()}
+    for metric in llm.get_metrics():
+        if metric.name in ADAPTIVE_METRICS:
+            out[ADAPTIVE_METRICS[metric.name]][int(metric.labels["position"])] = metric.value
+        elif metric.name in ADAPTIVE_HISTOGRAMS and isinstance(metric, Histogram):
+            out[ADAPTIVE_HISTOGRAMS[metric.name]] = {"buckets": dict(metric.buckets), "count": metric.count,
+                                                      "sum": metric.sum}
+    missing = [name for name, field in {**ADAPTIVE_METRICS, **ADAPTIVE_HISTOGRAMS}.items() if not out.get(field)]
+    if missing:
+        raise AssertionError(f"LLM.get_metrics() lacks {missing}")
+    for field in ADAPTIVE_METRICS.values():
+        out[field] = [out[field][i] for i in range(len(out[field]))]
+    return out
+
+
+def adaptive_per_pos_from_prometheus(text: str) -> dict:
+    """{field: per-position list} of the adaptive metrics on a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict = {field: {} for field in ADAPTIVE_METRICS.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            base = sample.name.removesuffix("_total")
+            if base in ADAPTIVE_METRICS:
+                found[ADAPTIVE_METRICS[base]][int(sample.labels["position"])] = sample.value
+    missing = [name for name, field in ADAPTIVE_METRICS.items() if not found[field]]
+    if missing:
+        raise AssertionError(f"/metrics lacks {missing}")
+    return {field: [values[i] for i in range(len(values))] for field, values in found.items()}
+
+
 def delta(after: dict, before: dict) -> dict:
     """Counter increments between two snapshots."""
     out = {name: after[name] - before[name] for name in SPEC_COUNTERS}
@@ -132,15 +176,20 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
-def check_spec_metrics(m: dict, k: int) -> float:
+def check_spec_metrics(m: dict, k: int, fixed_length: bool = True) -> float:
     """Consistency of one engine's spec-decode counters; returns the mean
-    acceptance length 1 + accepted / drafts (bonus token counted)."""
+    acceptance length 1 + accepted / drafts (bonus token counted).
+    `fixed_length`: every draft holds k tokens (static speculation); adaptive
+    drafts hold 1..k."""
     drafts = m["vllm:spec_decode_num_drafts"]
     drafted = m["vllm:spec_decode_num_draft_tokens"]
     accepted = m["vllm:spec_decode_num_accepted_tokens"]
     per_pos = m[PER_POS]
     assert drafts > 0, m
-    assert drafted == drafts * k, f"every draft holds k={k} tokens: {m}"
+    if fixed_length:
+        assert drafted == drafts * k, f"every draft holds k={k} tokens: {m}"
+    else:
+        assert drafts <= drafted <= drafts * k, m
     assert 0 <= accepted <= drafted, m
     assert len(per_pos) == k, f"one per-position counter per draft position: {m}"
     assert sum(per_pos) == accepted, m

@@ -1,4 +1,5 @@
-"""Every VLLM_DFLASH_* environment variable, read here and nowhere else.
+"""Every VLLM_DFLASH_* environment variable (and the plugin's own
+_VLLM_DFLASH_STATS_DIR), read here and nowhere else.
 
 `envs.NAME` reads the variable when it is accessed (nothing is cached), so a
 test's monkeypatch.setenv or a bench mode's environment takes effect at once,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     VLLM_DFLASH_BUILD_BACKEND: str | None
     VLLM_DFLASH_JIT_VERIFIER: bool
     VLLM_DFLASH_SKIP_NVCC: bool
+    VLLM_DFLASH_ADAPTIVE_SCHEDULE: str | None
 
 IMPL_CHOICES = ("plugin", "vllm")
 VERIFIER_CHOICES = ("dflash", "vllm")
@@ -87,6 +89,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # A JSON file the proposer rewrites with its phase timings after every step
     # (`vllm-dflash bench --profile`); unset, nothing is timed.
     "VLLM_DFLASH_PROFILE_FILE": _path("VLLM_DFLASH_PROFILE_FILE"),
+    # Tests: a forced adaptive schedule ("jump", "pause:FIRST:END"; see
+    # adaptive.controller.ForcedSchedule) instead of the cost-driven one; read
+    # when the proposer is built.
+    "VLLM_DFLASH_ADAPTIVE_SCHEDULE": _path("VLLM_DFLASH_ADAPTIVE_SCHEDULE"),
     # Tests: register() leaves a file here per process it runs in.
     "VLLM_DFLASH_REGISTER_MARKER_DIR": _path("VLLM_DFLASH_REGISTER_MARKER_DIR"),
     # Build (setup.py).
@@ -116,3 +122,31 @@ def __dir__() -> list[str]:
 def use_plugin_impl() -> bool:
     """False when VLLM_DFLASH_IMPL=vllm asks for vLLM's in-tree DFlash."""
     return _impl() == "plugin"
+
+
+ADAPTIVE_SCHEDULE_ENV = "VLLM_DFLASH_ADAPTIVE_SCHEDULE"
+
+
+def adaptive_schedule() -> str | None:
+    return environment_variables[ADAPTIVE_SCHEDULE_ENV]()
+
+
+# Folder where workers keep their adaptive-speculation counters (memory-mapped
+# files) for the API server's /metrics. Set by the plugin itself, in the
+# frontend process while vLLM builds the engine's config (before the engine
+# processes start, so they inherit it); not a user setting, and not
+# VLLM_-prefixed: vLLM warns about (or, with fail_on_environ_validation,
+# refuses) every VLLM_* variable it does not know.
+STATS_DIR_ENV = "_VLLM_DFLASH_STATS_DIR"
+
+
+def stats_dir() -> str | None:
+    return _raw(STATS_DIR_ENV) or None
+
+
+def set_stats_dir(path: str) -> None:
+    os.environ[STATS_DIR_ENV] = path
+
+
+def clear_stats_dir() -> None:
+    os.environ.pop(STATS_DIR_ENV, None)

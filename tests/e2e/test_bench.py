@@ -2,8 +2,9 @@
 tiny end-to-end run.
 
 The end-to-end run uses the bundled trained pair (models/toy-target and
-models/toy-draft) with k=7; modes none, dflash (the plugin) and dflash-vllm
-(in-tree), concurrency 1 and 2, eager float32 engines (bfloat16 verification
+models/toy-draft) with k=7; modes none, dflash (the plugin, k every step),
+dflash-adaptive (the plugin's adaptive speculation) and dflash-vllm
+(in-tree), categories code, math and mixed, concurrency 1 and 2, eager float32 engines (bfloat16 verification
 of k+1 tokens at once can flip near-ties; in float32 greedy outputs must equal
 no speculation exactly). Validation tests use a tiny random pair. It checks that every figure is
 present and consistent (acceptance length within [1, k+1], histogram and
@@ -137,6 +138,27 @@ def test_merge_speedup_and_match():
     assert math.isnan(cells[2]["speedup"]) and cells[2]["outputs_match_none"] is None
 
 
+def test_mixed_category_interleaves_every_category():
+    assert cli.interleave({"code": [[1], [2], [3]], "math": [[4]], "prose": [[5], [6]]}) == [
+        [1], [4], [5], [2], [6], [3]]
+
+
+def test_adaptive_summary_and_merge():
+    from vllm_dflash.adaptive.stats import AdaptiveStats
+
+    a = AdaptiveStats(3)
+    a.record_step(3, np.array([3, 0]), "optimal")
+    a.record_step(0, np.array([0, 0]), "warmup")
+    a.record_outcomes(np.full((200, 3), 0.5), np.full(200, 3), np.r_[np.zeros(100, int), np.full(100, 3)])
+    s = metrics.adaptive_summary(a.snapshot())
+    assert (s["steps"], s["drafting_share"], s["mean_query"], s["mean_budget"]) == (2, 0.5, 1.5, 0.75)
+    assert s["calibration"][0] == {"position": 1, "verified": 200, "predicted": 0.5, "realised": 0.5}
+    assert s["calibration_max_error"] == pytest.approx(0.0)
+    merged = metrics.merge([{"wall_s": 1.0, "prompt_tokens": 1, "output_tokens": 1, "requests": [],
+                             "adaptive": a.snapshot()}] * 2)
+    assert merged["adaptive"]["budget_hist"] == [6, 0, 0, 2]
+
+
 def test_batches_cycle_prompts_to_full_batches():
     ps = [[1], [2], [3]]
     assert batches_for(ps, 2) == [[[1], [2]], [[3], [1]]]
@@ -147,9 +169,11 @@ def test_batches_cycle_prompts_to_full_batches():
 def test_modes_map_to_speculative_config_and_env():
     spec = {"draft": "/d", "eagle3_head": "/e", "num_spec_tokens": 7}
     assert speculative_config({**spec, "mode": "none"}) is None
-    for mode in ("dflash", "dflash-vllm"):
-        assert speculative_config({**spec, "mode": mode}) == {"method": "dflash", "model": "/d",
-                                                              "num_speculative_tokens": 7}
+    base = {"method": "dflash", "model": "/d", "num_speculative_tokens": 7}
+    assert speculative_config({**spec, "mode": "dflash-vllm"}) == base
+    assert speculative_config({**spec, "mode": "dflash"}) == {**base, "adaptive": False}
+    assert speculative_config({**spec, "mode": "dflash-adaptive"}) == {**base, "adaptive": True}
+    assert mode_env("dflash-adaptive") == {"VLLM_DFLASH_IMPL": None}
     assert speculative_config({**spec, "mode": "eagle3"})["model"] == "/e"
     assert mode_env("dflash-vllm") == {"VLLM_DFLASH_IMPL": "vllm"}
     assert mode_env("dflash") == {"VLLM_DFLASH_IMPL": None}
@@ -247,9 +271,12 @@ def test_validation_errors(tiny_pair, tmp_path):
         cli.validate(_args("--target", str(tmp_path), "--draft", draft))
     args = cli.validate(_args(*base))
     assert args.num_spec_tokens == [7]  # block_size - 1 by default
-    args = cli.validate(_args(*base, "--modes", "none,dflash,ngram", "--num-spec-tokens", "3,7"))
+    args = cli.validate(_args(*base, "--modes", "none,dflash,dflash-adaptive,ngram", "--num-spec-tokens", "3,7"))
     assert cli.plan(args) == [("none", None, None), ("dflash", 3, None), ("dflash", 7, None),
-                              ("ngram", 3, None), ("ngram", 7, None)]
+                              ("dflash-adaptive", 7, None), ("ngram", 3, None), ("ngram", 7, None)]
+    assert cli.validate(_args(*base, "--dtype", "float32,bfloat16")).dtypes == ["float32", "bfloat16"]
+    with pytest.raises(ValueError, match="--dtype=float32,fp8: choose from auto, float32"):
+        cli.validate(_args(*base, "--dtype", "float32,fp8"))
     with pytest.raises(ValueError, match="--draft-sample=top1: choose from argmax, sample"):
         cli.validate(_args(*base, "--draft-sample", "top1"))
 
@@ -262,8 +289,8 @@ def test_demo_runs_bench_none_vs_dflash_and_reports(tiny_pair):
     b = demo.bench_args(parser.parse_args(["--target", tiny_pair[0], "--draft", tiny_pair[1]]))
     b = cli.validate(b)
     assert (b.modes, b.concurrency, b.keep_outputs, b.enforce_eager, b.dtype) == (
-        ["none", "dflash"], [1], True, True, "float32")
-    assert cli.plan(b) == [("none", None, None), ("dflash", 7, None)]
+        ["none", "dflash-adaptive"], [1], True, True, "float32")
+    assert cli.plan(b) == [("none", None, None), ("dflash-adaptive", 7, None)]
 
     def cell(mode, cat, tps, tau=None):
         c = {"mode": mode, "category": cat, "concurrency": 1, "output_tokens_per_s": tps,
@@ -271,13 +298,13 @@ def test_demo_runs_bench_none_vs_dflash_and_reports(tiny_pair):
         if tau:
             c["acceptance"] = {"mean_length": tau}
         return c
-    results = [cell("none", "code", 100.0), cell("dflash", "code", 250.0, 3.5),
-               cell("none", "all", 100.0), cell("dflash", "all", 250.0, 3.5)]
+    results = [cell("none", "code", 100.0), cell("dflash-adaptive", "code", 250.0, 3.5),
+               cell("none", "all", 100.0), cell("dflash-adaptive", "all", 250.0, 3.5)]
     metrics.add_speedups(results)
     doc = {"config": {"target": tiny_pair[0], "out": "o", "dtype": "bfloat16"}, "results": results,
-           "runs": [{"mode": "dflash", "num_spec_tokens": 7, "proposer": "vllm_dflash.x.P"}],
+           "runs": [{"mode": "dflash-adaptive", "num_spec_tokens": 7, "proposer": "vllm_dflash.x.P"}],
            "prompts": {"code": {"texts": ["write code"]}},
-           "outputs": {"none": {"code": [[1, 2, 3], [4, 5]]}, "dflash-k7": {"code": [[1, 2, 3], [4, 6]]}}}
+           "outputs": {"none": {"code": [[1, 2, 3], [4, 5]]}, "dflash-adaptive-k7": {"code": [[1, 2, 3], [4, 6]]}}}
     doc["environment"] = {"cpu_count": 2, "cuda": False, "loadavg_at_start": [0.5, 0, 0], "loadavg_at_end": [9.0, 0, 0]}
     text = demo.report(doc)
     assert "the machine was busy (1-min load average up to 9.0 on 2 CPUs)" in text
@@ -313,36 +340,40 @@ def test_resume_reuses_a_finished_mode_only_for_the_same_spec(tmp_path, monkeypa
 
 @pytest.mark.vllm
 def test_bench_end_to_end(tmp_path):
-    """The bundled trained pair (models/toy-target + models/toy-draft, B=16), k=7."""
+    """The bundled trained pair (models/toy-target + models/toy-draft, B=16), k=7,
+    static and adaptive, with the mixed-category workload."""
     target, draft = TOY_TARGET, TOY_DRAFT
     out = tmp_path / "bench"
+    modes = ("none", "dflash", "dflash-adaptive", "dflash-vllm")
     cmd = [sys.executable, "-m", "vllm_dflash.cli", "bench", "--target", target, "--draft", draft,
-           "--modes", "none,dflash,dflash-vllm", "--concurrency", "1,2", "--num-prompts", "2", "--num-spec-tokens", "7",
-           "--categories", "code,math", "--max-tokens", "24", "--ignore-eos", "--threads", "1",
+           "--modes", ",".join(modes), "--concurrency", "1,2", "--num-prompts", "2", "--num-spec-tokens", "7",
+           "--categories", "code,math", "--mixed", "--max-tokens", "24", "--ignore-eos", "--threads", "1",
            "--dtype", "float32", "--enforce-eager", "--draft-cost", "--draft-cost-blocks", "4,8", "--draft-cost-layers", "1,2",
            "--draft-cost-iters", "2", "--draft-cost-threads", "1", "--out", str(out)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "out tok/s" in proc.stdout and "dflash-vllm" in proc.stdout
+    assert "out tok/s" in proc.stdout and "dflash-vllm" in proc.stdout and "Adaptive speculation" in proc.stdout
 
     doc = json.loads((out / "results.json").read_text())
     proposers = {r["mode"]: r["proposer"] for r in doc["runs"]}
     assert proposers["none"] is None
-    assert proposers["dflash"].startswith("vllm_dflash."), proposers
+    assert proposers["dflash"].startswith("vllm_dflash.") and proposers["dflash-adaptive"] == proposers["dflash"]
     assert proposers["dflash-vllm"] == "vllm.v1.spec_decode.dflash.DFlashProposer"
+    machine = doc["environment"]["machine_info"]
+    assert machine["cpu_model"] and "AVX2" in machine["isa"] and machine["cores"] >= 1 and machine["vllm"]
 
     cells = doc["results"]
     assert {(c["mode"], c["category"], c["concurrency"]) for c in cells} == {
-        (m, cat, c) for m in ("none", "dflash", "dflash-vllm") for cat in ("code", "math", "all") for c in (1, 2)}
+        (m, cat, c) for m in modes for cat in ("code", "math", "mixed", "all") for c in (1, 2)}
     for c in cells:
         where = (c["mode"], c["category"], c["concurrency"])
-        n_req = 2 if c["category"] != "all" else 4
+        n_req = 2 if c["category"] in ("code", "math") else 4  # mixed: both categories interleaved; all: pooled
         assert c["num_requests"] == n_req and c["output_tokens"] == 24 * n_req, where
         assert c["output_tokens_per_s"] > 0 and c["total_tokens_per_s"] > c["output_tokens_per_s"], where
         assert 0 < c["time_per_output_token_ms"] and 0 < c["latency_p50_s"] <= c["latency_p99_s"], where
         assert c["speedup"] > 0 and c["speedup_p50"] > 0, where
-        assert c["outputs_match_none"] == 1.0, where  # greedy DFlash is lossless
+        assert c["outputs_match_none"] == 1.0, where  # greedy DFlash is lossless, adaptive or not
         assert 0 < c["step_s"] <= c["wall_s"], where
         split = c["step_split_ms"]  # target forward, draft, verify and overhead partition a step
         assert split["target"] > 0 and split["verify"] > 0 and split["overhead"] >= 0, where
@@ -351,8 +382,15 @@ def test_bench_end_to_end(tmp_path):
         if c["mode"] == "none":
             assert "acceptance" not in c and c["draft_s"] == 0.0, where
             continue
+        assert ("adaptive" in c) == (c["mode"] == "dflash-adaptive"), where
         acc, k = c["acceptance"], c["num_spec_tokens"]
-        assert k == 7 and acc["num_drafts"] > 0, where
+        assert k == 7, where
+        if c["mode"] == "dflash-adaptive":
+            a = c["adaptive"]
+            assert a["steps"] > 0 and sum(a["query_hist"]) == a["steps"] and len(a["budget_hist"]) == k + 1, where
+            if not acc["num_drafts"]:  # the controller may decide not to speculate at all here
+                continue
+        assert acc["num_drafts"] > 0, where
         assert 1.0 <= acc["mean_length"] <= k + 1, where
         hist = acc["length_histogram"]
         assert len(hist) == k + 1 and sum(hist) == acc["num_drafts"], where
@@ -363,17 +401,19 @@ def test_bench_end_to_end(tmp_path):
         # vLLM's per-request stats and its Prometheus counters are separate paths: they must agree.
         assert acc["per_request_matches_counters"] is True, where
         per_req = acc["per_request_mean_length"]
-        assert len(per_req) == n_req and all(1 <= t <= k + 1 for t in per_req), where
+        assert all(1 <= t <= k + 1 for t in per_req), where
     dflash_all = [c for c in cells if c["mode"] == "dflash" and c["category"] == "all"]
     assert max(c["acceptance"]["mean_length"] for c in dflash_all) > 1.2  # trained pair: drafts accepted
 
     md = (out / "results.md").read_text()
     assert "| dflash-vllm | 7 | 2 |" in md and "| draft layers | B |" in md and "| mode | k | conc | steps |" in md
+    assert "| dflash-adaptive | 7 | 1 |" in md and "drafting %" in md
 
     rows = doc["draft_cost"]["rows"]
     assert {(r["layers"], r["block_size"]) for r in rows} == {(1, 4), (1, 8), (2, 4), (2, 8)}
     assert all(r["dflash_ms"] > 0 and r["autoregressive_ms"] > 0 for r in rows)
-    for name in ("speedup_vs_concurrency", "acceptance_histogram", "per_position_acceptance", "draft_cost"):
+    for name in ("speedup_vs_concurrency", "acceptance_histogram", "per_position_acceptance", "draft_cost",
+                 "adaptive_budgets", "adaptive_calibration"):
         png = out / f"{name}.png"
         data = png.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name

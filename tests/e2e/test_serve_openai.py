@@ -2,15 +2,17 @@
 
 Two real `vllm serve` subprocesses on 127.0.0.1 (free ports, started together,
 float32): the bundled toy target (tokenizer + chat template) with vllm-dflash's
-DFlash (the bundled drafter when present, else a random draft for it), and the
-same target without speculation. The plugin is loaded by vLLM itself, through
+DFlash (the bundled drafter when present, else a random draft for it; adaptive
+speculation, the default), and the same target without speculation. The plugin is loaded by vLLM itself, through
 the `vllm.general_plugins` entry point, in the API server and the engine core.
 
 * chat completions and completions, streaming and not, answer through the
   `openai` client; streamed deltas concatenate to the non-streamed text;
 * greedy (temperature 0) texts equal the non-speculative server's, prompt by prompt;
 * /metrics carries vLLM's spec-decode counters for our DFlash, consistent
-  with the requests served.
+  with the requests served, and the adaptive-speculation metrics the worker
+  counts (budgets, verified / accepted / predicted per position), equal to
+  vLLM's counts of the same verifications.
 
 Servers are always stopped (process-group kill in the fixture finalizer);
 waits and request loops are bounded.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import pytest
 from serving_pairs import (
+    PER_POS,
+    adaptive_per_pos_from_prometheus,
     check_spec_metrics,
     delta,
     spec_metrics_from_prometheus,
@@ -110,23 +114,34 @@ def test_greedy_text_equals_no_speculation(servers, api):
 
 
 def test_metrics_endpoint_counts_dflash_steps(servers):
+    """vLLM's spec-decode counters and vllm-dflash's adaptive ones (worker -> API
+    server through the stats file) in /metrics, describing the same steps."""
     server = servers["dflash"]
-    before = spec_metrics_from_prometheus(server.metrics_text())
+    text = server.metrics_text()
+    before, ours_before = spec_metrics_from_prometheus(text), adaptive_per_pos_from_prometheus(text)
     client = server.client()
     usages = []
     for prompt in completion_prompts(4):  # one request at a time
         r = client.completions.create(model="toy", prompt=prompt, temperature=0.0, max_tokens=32,
                                       extra_body={"ignore_eos": True})
         usages.append(r.usage.completion_tokens)
-    m = delta(spec_metrics_from_prometheus(server.metrics_text()), before)
+    text = server.metrics_text()
+    m = delta(spec_metrics_from_prometheus(text), before)
+    ours = {f: [a - b for a, b in zip(v, ours_before[f])] for f, v in adaptive_per_pos_from_prometheus(text).items()}
     assert usages == [32] * 4
-    tau = check_spec_metrics(m, K)
-    print(f"\n/metrics after 4 completions of 32 tokens: {m}, mean acceptance length {tau:.3f}")
-    # Tokens after each request's first come from verification steps: one per
-    # draft plus the accepted ones, minus what max_tokens cut from the last step.
+    tau = check_spec_metrics(m, K, fixed_length=False)
+    print(f"\n/metrics after 4 completions of 32 tokens: {m}, mean acceptance length {tau:.3f}; adaptive: {ours}")
+    # Tokens after each request's first come from engine steps: one per step (a step
+    # with drafts counts as a draft) plus the accepted ones, minus what max_tokens cut
+    # from the last step; adaptive speculation may also run steps without drafts.
     after_first = sum(u - 1 for u in usages)
     drafts, accepted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
-    assert drafts <= after_first <= drafts + accepted <= after_first + K * len(usages)
+    assert drafts + accepted <= after_first + K * len(usages)
+    assert sum(ours["verified_per_pos"]) == m["vllm:spec_decode_num_draft_tokens"]
+    assert ours["accepted_per_pos"] == m[PER_POS] + [0] * (K - len(m[PER_POS]))
+    assert all(0 <= p <= v for p, v in zip(ours["predicted_per_pos"], ours["verified_per_pos"]))
+    assert "vllm:dflash_adaptive_budget_tokens_bucket" in text and "vllm:dflash_adaptive_steps_total" in text
     plain_text = servers["plain"].metrics_text()
     assert "vllm:num_requests_running" in plain_text
     assert "vllm:spec_decode_num_drafts" not in plain_text, "the server without speculation reports drafts"
+    assert "vllm:dflash_adaptive" not in plain_text

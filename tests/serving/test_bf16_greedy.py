@@ -50,7 +50,8 @@ def run_engine(target_dir: str, draft_dir: str | None, work) -> dict:
         disable_log_stats=False,
     )
     if draft_dir is not None:
-        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K}
+        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K,
+                                        "adaptive": False}  # every step verifies k + 1 tokens in bf16
     with vllm_engine(**kwargs) as llm:
         return work(llm)
 

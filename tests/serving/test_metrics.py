@@ -4,8 +4,10 @@ Acceptance length and per-position acceptance reach users through vLLM's own
 counters (the scheduler fills SpecDecodingStats from the verifier's output):
 vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens and
 _num_accepted_tokens_per_pos. One engine: a tiny random float32 target with a
-correlated random draft (drafts get accepted), k=4, greedy, in-process.
-`vllm serve`'s /metrics is checked in test_serve_openai.py.
+correlated random draft (drafts get accepted), k=4 every step (`adaptive:
+false`), greedy, in-process. `vllm serve`'s /metrics is checked in
+test_serve_openai.py, adaptive speculation's metrics in
+e2e/test_adaptive_metrics.py.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def llm(tmp_path_factory):
         max_num_seqs=8,
         enforce_eager=True,
         disable_log_stats=False,  # LLM turns stats off by default: no metrics without this
-        speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": K},
+        speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": K, "adaptive": False},
     ) as engine:
         yield engine
 

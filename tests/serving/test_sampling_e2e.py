@@ -1,7 +1,7 @@
 """T=1 sampling through vLLM with vllm-dflash's DFlash keeps the target's distribution.
 
 Lossless speculative sampling means the tokens a request gets are distributed
-exactly as without speculation. Three in-process engines (float32, one at a
+exactly as without speculation. Four in-process engines (float32, one at a
 time) serve N requests each at temperature 1, every request with its own seed
 (disjoint seed ranges per engine, so the samples are independent),
 max_tokens=4, in one generate call per engine:
@@ -9,7 +9,11 @@ max_tokens=4, in one generate call per engine:
 * no speculation (the reference);
 * DFlash, k=3, draft_sample="argmax" (point-mass drafts);
 * DFlash, k=3, draft_sample="sample" (drafts drawn from the draft's softmax;
-  the proposer's q [B, k, V] float32 must reach the verifier, checked too).
+  the proposer's q [B, k, V] float32 must reach the verifier, checked too);
+* adaptive DFlash (at most k=3, sampled drafts) on the forced "jump"
+  schedule: steps without drafting, and requests of one verified batch with
+  0, 1, 2 and 3 drafts (checked), so drafts shorter than the drafted block
+  are verified with their sliced draft probabilities.
 
 Requests alternate between two prompts: one whose continuation is nearly
 deterministic (drafts accepted often, several positions deep) and one whose
@@ -19,8 +23,8 @@ drafts, the recovered token, the bonus token), so the checks cover every draft
 position: per DFlash engine, two-sample chi-square homogeneity tests against
 the reference on (prompt, token 1, token 2) and on (prompt, token 3) and
 (prompt, token 4). Outcomes with a combined count below 10 (expected count 5
-per engine) are pooled. A test fails when p < ALPHA = 1e-3 (6 tests: a false
-failure rate of at most 0.6%; the engines are seeded, so a given build passes
+per engine) are pooled. A test fails when p < ALPHA = 1e-3 (9 tests: a false
+failure rate of at most 0.9%; the engines are seeded, so a given build passes
 or fails reproducibly). Power: the statistic is non-central chi-square with
 lambda ~ N/2 * sum (p-q)^2 / pbar; each test prints the smallest
 sum (p-q)^2 / pbar it detects with 90% power at its degrees of freedom, and
@@ -61,7 +65,9 @@ K = 3
 MAX_TOKENS = 4
 ALPHA = 1e-3
 MIN_CELL = 10  # combined count; expected count per engine >= 5
-MODES = ("argmax", "sample")
+# Engine name -> (draft_sample, forced adaptive schedule or None for static k).
+ENGINES = {"argmax": ("argmax", None), "sample": ("sample", None), "adaptive-jump": ("sample", "jump")}
+MODES = tuple(ENGINES)
 POWER_T = 0.7  # the reference at this temperature must be told apart from T=1
 TOY_PROMPT_LEN = 48
 TOY_PROMPTS = (10, 0)  # toy_prompts() indices: a math prompt (peaked answer), a code prompt (broad)
@@ -97,10 +103,12 @@ def tiny_prompt_ids() -> list[list[int]]:
 
 class DraftProbsProbe:
     """Records, per verification step with drafts, whether the verifier got draft
-    probabilities and what the proposer handed over (shape, dtype, row-sum error)."""
+    probabilities and what the proposer handed over (shape, dtype, row-sum error),
+    and the set of per-request draft lengths verified."""
 
     def __init__(self, runner):
         self.verifier_calls: list[bool] = []
+        self.verified_lengths: list[list[int]] = []
         self.handed: list[tuple[tuple[int, ...], str, float]] = []
         sampler, drafter = runner.rejection_sampler, runner.drafter
         original_forward, original_take = sampler.forward, drafter.take_last_draft_probs
@@ -108,6 +116,7 @@ class DraftProbsProbe:
         def forward(metadata, draft_probs, logits, sampling_metadata):
             if sum(metadata.num_draft_tokens) > 0:  # prefill-only steps verify nothing
                 self.verifier_calls.append(draft_probs is not None)
+                self.verified_lengths.append(list(metadata.num_draft_tokens))
             return original_forward(metadata, draft_probs, logits, sampling_metadata)
 
         def take_last_draft_probs():
@@ -121,6 +130,7 @@ class DraftProbsProbe:
 
 
 def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=()):
+    """mode: None (no speculation) or a key of ENGINES."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -140,11 +150,16 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
         enforce_eager=True,
         disable_log_stats=False,
     )
+    schedule = None
     if mode is not None:
-        kwargs["speculative_config"] = {
-            "method": "dflash", "model": draft_dir, "num_speculative_tokens": K, "draft_sample": mode}
+        draft_sample, schedule = ENGINES[mode]
+        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": K,
+                                        "draft_sample": draft_sample, "adaptive": schedule is not None}
+    from vllm_dflash import envs
+
+    env = {envs.ADAPTIVE_SCHEDULE_ENV: schedule} if schedule else None  # read when the proposer is built
     result = {}
-    with vllm_engine(**kwargs) as llm:
+    with vllm_engine(env=env, **kwargs) as llm:
         runner = model_runner_of(llm)
         probe = DraftProbsProbe(runner) if mode is not None else None
         before = spec_metrics_from_llm(llm) if mode is not None else None
@@ -166,6 +181,7 @@ def run_engine(target_dir, draft_dir, mode, prompts, seed_offset=0, extra_runs=(
         if mode is not None:
             result["metrics"] = delta(spec_metrics_from_llm(llm), before)
             result["probe"] = probe
+            result["verified_lengths"] = probe.verified_lengths
             result["draft_sample_method"] = llm.llm_engine.vllm_config.speculative_config.draft_sample_method
     return result
 
@@ -240,11 +256,15 @@ def test_first_tokens_follow_the_target_distribution(runs, mode, stat_name):
 @pytest.mark.parametrize("mode", MODES)
 def test_drafts_were_verified_with_the_right_draft_probabilities(runs, mode):
     result = runs[mode]
-    tau = check_spec_metrics(result["metrics"], K)
+    adaptive = ENGINES[mode][1] is not None
+    tau = check_spec_metrics(result["metrics"], K, fixed_length=not adaptive)
     per_pos = result["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert per_pos[0] > 0, "no draft accepted: the accept path is untested"
     probe = result["probe"]
     assert probe.verifier_calls, "the verifier never ran"
+    if adaptive:  # the forced schedule mixed draft lengths (0 and K included) within verified batches
+        mixed = [n for n in result["verified_lengths"] if set(n) == set(range(K + 1))]
+        assert mixed, [sorted(set(n)) for n in result["verified_lengths"]]
     if mode == "argmax":
         assert result["draft_sample_method"] == "greedy"
         assert not any(probe.verifier_calls) and not probe.handed
@@ -253,7 +273,8 @@ def test_drafts_were_verified_with_the_right_draft_probabilities(runs, mode):
         assert all(probe.verifier_calls), "a verification step got no draft probabilities"
         assert probe.handed
         for shape, dtype, err in probe.handed:
-            assert len(shape) == 3 and shape[1] == K and dtype == "torch.float32" and err < 1e-4
+            width_ok = 1 <= shape[1] <= K if adaptive else shape[1] == K  # adaptive: the drafted block q
+            assert len(shape) == 3 and width_ok and dtype == "torch.float32" and err < 1e-4
     print(f"\n[{runs['pair']} pair] draft_sample={mode}: mean acceptance length {tau:.3f} at T=1, per-pos {per_pos}")
 
 

@@ -87,7 +87,8 @@ def workload() -> tuple[list[list[int]], list[int], list[int]]:
     return prompts, max_tokens, long_prompt
 
 
-def engine_kwargs(target_dir: str, draft_dir: str, k: int | None) -> dict:
+def engine_kwargs(target_dir: str, draft_dir: str, k: int | None, adaptive: bool = False,
+                  eager: bool | None = None) -> dict:
     kwargs = dict(
         model=target_dir,
         skip_tokenizer_init=True,
@@ -99,10 +100,11 @@ def engine_kwargs(target_dir: str, draft_dir: str, k: int | None) -> dict:
         block_size=32,
         num_gpu_blocks_override=14,  # ~13 usable blocks for 8 requests: forces preemption
         enable_prefix_caching=True,
-        enforce_eager=k != COMPILED_K,
+        enforce_eager=k != COMPILED_K if eager is None else eager,
     )
     if k is not None:
-        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": k}
+        kwargs["speculative_config"] = {"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
+                                        "adaptive": adaptive}
     return kwargs
 
 
@@ -110,33 +112,42 @@ class ProposalRecorder:
     """Wraps runner.drafter.propose: per call, {prompt index: (bonus position,
     drafts)} for requests whose sampled token is kept (partial-prefill chunks,
     also of requests resumed after preemption, draft from a placeholder and
-    their drafts are discarded: not recorded)."""
+    their drafts are discarded: not recorded). The drafts are the whole
+    drafted block (adaptive speculation hands out a prefix of it; its
+    lengths go to `handed`, per call {prompt index: length}); calls that
+    drafted nothing (adaptive q = 0) record no drafts."""
 
     def __init__(self, runner, prompts: list[list[int]]):
         self.runner = runner
         self.index = {tuple(p): i for i, p in enumerate(prompts)}
         self.calls: list[dict[int, tuple[int, list[int]]]] = []
+        self.handed: list[dict[int, int]] = []
         drafter = runner.drafter
         self.original = drafter.propose
         drafter.propose = self.propose
 
     def propose(self, **kwargs):
         drafts = self.original(**kwargs)
+        block = getattr(self.runner.drafter, "last_draft_block", None)  # vLLM's in-tree proposer has none
+        block = drafts if block is None else block
         cad = kwargs["common_attn_metadata"]
         rejected = kwargs["num_rejected_tokens_gpu"]
-        batch = drafts.shape[0]
+        batch = len(drafts)
         last = cad.query_start_loc[1 : batch + 1].long() - 1
         if rejected is not None:
             last = last - rejected.long()
         bonus_pos = (kwargs["target_positions"][last] + 1).tolist()
         discarded = self.runner.discard_request_mask.np[:batch].tolist()
-        call = {}
+        call, handed = {}, {}
         for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch]):
             if discarded[row]:
                 continue
             prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
-            call[self.index.get(prompt, -1)] = (bonus_pos[row], drafts[row].tolist())
+            if block.shape[1]:
+                call[self.index.get(prompt, -1)] = (bonus_pos[row], block[row].tolist())
+            handed[self.index.get(prompt, -1)] = len(drafts[row])
         self.calls.append(call)
+        self.handed.append(handed)
         return drafts
 
 
@@ -149,11 +160,14 @@ def generate(llm, prompts, max_tokens):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
 
 
-def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long")) -> dict:
-    """Run the workload on one engine; returns outputs, drafter facts and proposals."""
+def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long"),
+               adaptive: bool = False, schedule: str | None = None, eager: bool | None = None) -> dict:
+    """Run the workload on one engine; returns outputs, drafter facts and proposals.
+    `schedule`: a forced adaptive schedule (VLLM_DFLASH_ADAPTIVE_SCHEDULE, test hook)."""
     from engines import vllm_engine
 
-    with vllm_engine(**engine_kwargs(target_dir, draft_dir, k)) as llm:
+    env = {envs.ADAPTIVE_SCHEDULE_ENV: schedule} if schedule else None  # read when the proposer is built
+    with vllm_engine(env=env, **engine_kwargs(target_dir, draft_dir, k, adaptive, eager)) as llm:
         return _run_workload(llm, k, phases)
 
 
@@ -179,6 +193,8 @@ def _run_workload(llm, k: int | None, phases) -> dict:
         model = drafter.model.unwrap() if hasattr(drafter.model, "unwrap") else drafter.model
         result["draft_model"] = f"{type(model).__module__}.{type(model).__qualname__}"
         recorder = ProposalRecorder(runner, prompts + [long_prompt])
+        if getattr(drafter, "adaptive", None) is not None:
+            result["adaptive_stats"] = drafter.adaptive.stats
     for phase in phases:
         start = len(recorder.calls) if recorder else 0
         if phase == "batch8":  # max_num_seqs=8: up to 8 requests per step
@@ -192,7 +208,10 @@ def _run_workload(llm, k: int | None, phases) -> dict:
             result["long_cached_tokens"] = cached[0]
         if recorder:
             result[f"proposals_{phase}"] = recorder.calls[start:]
+            result[f"handed_{phase}"] = recorder.handed[start:]
     result["preemptions"] = len(preemptions)
+    if "adaptive_stats" in result:
+        result["adaptive_stats"] = result["adaptive_stats"].snapshot()
     return result
 
 
@@ -266,6 +285,29 @@ def plugin(models):
 
     vllm_dflash.register()  # no-op when vLLM already loaded it through the entry point
     return {k: run_engine(models["target"], models[draft_for(k)], k=k) for k in K_VALUES}
+
+
+# Adaptive speculation (k = 15 at most), on the same workload: two forced
+# schedules (test hook) and the cost-driven controller.
+PAUSE = (4, 40)  # no drafting in steps 4..39
+ADAPTIVE_RUNS = {
+    # q jumps between 0 (no draft forward) and 15 step to step; requests of a batch get
+    # different budgets (0, 15 and in between); chunked prefill, prefix cache, preemption.
+    "jump": dict(schedule="jump", phases=("batch8", "long"), eager=True),
+    # full blocks, except 36 steps without drafting: the context KV must be intact after.
+    "pause": dict(schedule=f"pause:{PAUSE[0]}:{PAUSE[1]}", phases=("batch8",), eager=True),
+    # the real controller, torch.compile on (vLLM's default path).
+    "controller": dict(schedule=None, phases=("batch8", "long"), eager=False),
+}
+
+
+@pytest.fixture(scope="module")
+def adaptive(models):
+    import vllm_dflash
+
+    vllm_dflash.register()
+    return {name: run_engine(models["target"], models["draft"], k=15, adaptive=True, **kw)
+            for name, kw in ADAPTIVE_RUNS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +395,72 @@ def test_draft_tokens_equal_in_tree_dflash(baseline, plugin, in_tree):
         assert a == b, f"propose call {step} differs"
     prompts, _, _ = workload()
     assert sum(n >= 2 for n in accepted_lengths(ours_calls, prompts, baseline["batch8"])) >= 5
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE_RUNS))
+def test_adaptive_greedy_output_identical_to_no_spec(baseline, adaptive, name):
+    run = adaptive[name]
+    assert run["drafter"] == "vllm_dflash.serving.proposer.DFlashProposer"
+    for phase in ADAPTIVE_RUNS[name]["phases"]:
+        assert run[phase] == baseline[phase], phase
+    assert run["preemptions"] > 0
+
+
+def test_forced_schedule_mixes_budgets_within_batches(adaptive):
+    """The jump schedule really did what it claims: steps without any draft, and
+    batches whose requests were handed 0, 15 and lengths in between."""
+    handed = adaptive["jump"]["handed_batch8"]
+    no_draft = [h for h in handed if h and not any(h.values())]
+    mixed = [h for h in handed if 0 in h.values() and 15 in h.values() and any(0 < n < 15 for n in h.values())]
+    assert len(no_draft) >= 5 and len(mixed) >= 5, (len(no_draft), len(mixed))
+    stats = adaptive["jump"]["adaptive_stats"]
+    assert stats["steps"]["forced"] == len(handed) + len(adaptive["jump"]["handed_long"])
+    assert stats["query_hist"][0] >= 5 and stats["query_hist"][15] >= 5
+
+
+@pytest.mark.parametrize("name", ["jump", "pause"])
+def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, baseline, adaptive, name):
+    """Every decode-time draft block equals the pure-torch reference on the full prefix,
+    including the first blocks after steps that drafted nothing: the context KV of
+    every verified token was written in those steps too."""
+    prompts, _, long_prompt = workload()
+    run = adaptive[name]
+    phases = {"batch8": dict(enumerate(zip(prompts, baseline["batch8"]))),
+              "long": {len(prompts): (long_prompt, baseline["long"][0])}}
+    for phase in ADAPTIVE_RUNS[name]["phases"]:
+        compared = reference_drafts(models, "draft", run[f"proposals_{phase}"], phases[phase])
+        assert len(compared) > 5, phase
+        bad = [(step, idx, ours, ref) for step, idx, ours, ref in compared if ours != ref]
+        assert not bad, f"{name}/{phase}: {len(bad)}/{len(compared)} drafts differ, first: {bad[:3]}"
+    if name == "pause":  # the pause happened, and drafting resumed after it
+        calls = run["proposals_batch8"]
+        assert all(not c for c in calls[PAUSE[0]:PAUSE[1]]) and sum(bool(c) for c in calls[PAUSE[1]:]) > 5
+
+
+def test_acceptance_after_a_pause_equals_never_stopping(baseline, plugin, adaptive):
+    """Drafts after the pause are the drafts the never-paused k = 15 engine made at the
+    same request and position, so their acceptance is the same."""
+    prompts, _, _ = workload()
+    resumed = [c for c in adaptive["pause"]["proposals_batch8"][PAUSE[1]:] if c]
+    never = {(idx, pos): d for call in plugin[15]["proposals_batch8"] for idx, (pos, d) in call.items()}
+    matched = [(d, never[(idx, pos)]) for call in resumed for idx, (pos, d) in call.items() if (idx, pos) in never]
+    assert len(matched) >= 20, len(matched)
+    assert all(a == b for a, b in matched)
+    ours = accepted_lengths(resumed, prompts, baseline["batch8"])
+    assert sum(n >= 2 for n in ours) >= 3, "resumed drafts must be accepted, not collapsed"
+
+
+def test_adaptive_counters_are_consistent(adaptive):
+    """Outcomes were matched back to the drafts handed out (by request id): every
+    engine observed verified positions, never more accepted than verified, and
+    position j verified no more often than position j - 1. (Equality with vLLM's
+    own counters: test_metrics.py.)"""
+    for name, run in adaptive.items():
+        stats = run["adaptive_stats"]
+        verified, accepted = stats["verified_per_pos"], stats["accepted_per_pos"]
+        assert sum(verified) > 0 and sum(accepted) > 0, name
+        assert all(a <= v for a, v in zip(accepted, verified)), name
+        assert all(a >= b for a, b in zip(verified, verified[1:])), name
 
 
 if __name__ == "__main__":  # oracle mode: python test_serving_e2e.py TARGET DRAFT K OUT.json

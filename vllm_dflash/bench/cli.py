@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vllm_dflash.bench import metrics, prompts
 from vllm_dflash.bench.runner import MODES, mode_env
+from vllm_dflash.machine import describe
 from vllm_dflash.profiler import PROFILE_ENV
 from vllm_dflash.serving.draft_sample import DRAFT_SAMPLE_CHOICES
 
@@ -26,6 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_TARGET = REPO_ROOT / "models" / "toy-target"
 BUNDLED_DRAFT = REPO_ROOT / "models" / "toy-draft"
 SPEC_MODES = tuple(m for m in MODES if m != "none")
+DFLASH_MODES = ("dflash", "dflash-adaptive", "dflash-vllm")
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+MIXED = "mixed"  # the category of interleaved prompts (--mixed); not pooled into "all"
 
 
 def _ints(text: str, field: str) -> list[int]:
@@ -57,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each category")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     g.add_argument("--modes", default="none,dflash,dflash-vllm,ngram",
-                   help=f"comma-separated, from {', '.join(MODES)}")
+                   help=f"comma-separated, from {', '.join(MODES)} (dflash: the plugin drafting k tokens every "
+                        "step; dflash-adaptive: the plugin's default adaptive speculation, k at most)")
     g.add_argument("--concurrency", default="1,4,16", help="requests per LLM.generate batch, comma-separated")
     g.add_argument("--num-spec-tokens", default=None,
                    help="comma-separated draft lengths k (default: the draft's block_size - 1, else 15)")
@@ -79,7 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "all cores of the node). On a busy CPU machine, 1 avoids OpenMP threads waiting "
                         "for each other in every small kernel, which slows speculative decoding by 10-100x")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE when unset (CPU)")
-    g.add_argument("--dtype", default="auto", help="engine dtype (vLLM's CPU default for float32 models is bfloat16)")
+    g.add_argument("--dtype", default="auto",
+                   help="engine dtype(s), comma-separated to sweep, e.g. float32,bfloat16 (vLLM's CPU default for "
+                        "float32 models is bfloat16)")
+    g.add_argument("--mixed", action="store_true",
+                   help="also run a 'mixed' category: every category's prompts interleaved, so each batch "
+                        "holds code, prose and math requests together")
     g.add_argument("--enforce-eager", action="store_true",
                    help="skip torch.compile (engines start faster, steps may be slower)")
     g.add_argument("--profile", action="store_true",
@@ -127,7 +137,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if not args.target and (needs_engine or not args.draft):
         raise ValueError("--target: none given and the bundled models/toy-target is missing; "
                          "pass --target PATH")
-    if needs_engine and {"dflash", "dflash-vllm"} & set(args.modes) and not args.draft:
+    if needs_engine and set(DFLASH_MODES) & set(args.modes) and not args.draft:
         raise ValueError("--draft: DFlash modes need a draft checkpoint; pass --draft PATH "
                          "(or drop dflash/dflash-vllm from --modes)")
     if needs_engine and "eagle3" in args.modes and not args.eagle3_head:
@@ -142,6 +152,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.temperature < 0:
         raise ValueError(f"--temperature={args.temperature} must be >= 0")
     args.concurrency = _ints(args.concurrency, "--concurrency")
+    args.dtypes = _names(args.dtype)
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad or not args.dtypes:
+        raise ValueError(f"--dtype={args.dtype}: choose from {', '.join(DTYPES)} (comma-separated to sweep)")
     if args.draft_sample is not None:
         args.draft_sample = _names(args.draft_sample)
         bad = [v for v in args.draft_sample if v not in DRAFT_SAMPLE_CHOICES]
@@ -155,7 +169,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         args.num_spec_tokens = [block_size - 1 if block_size else 15]
     else:
         args.num_spec_tokens = _ints(args.num_spec_tokens, "--num-spec-tokens")
-    if block_size and {"dflash", "dflash-vllm"} & set(args.modes):
+    if block_size and set(DFLASH_MODES) & set(args.modes):
         too_long = [k for k in args.num_spec_tokens if k > block_size - 1]
         if too_long:
             raise ValueError(f"--num-spec-tokens {too_long}: a DFlash draft with block_size {block_size} "
@@ -175,7 +189,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int | None, str | None]]:
     for mode in args.modes:
         if mode == "none":
             runs.append(("none", None, None))
-        elif mode in ("dflash", "dflash-vllm"):
+        elif mode == "dflash-adaptive":  # k is the most per step: the largest k of the sweep
+            runs += [(mode, max(args.num_spec_tokens), s) for s in samples]
+        elif mode in DFLASH_MODES:
             runs += [(mode, k, s) for k in args.num_spec_tokens for s in samples]
         else:
             runs += [(mode, k, None) for k in args.num_spec_tokens]
@@ -187,14 +203,17 @@ def mode_label(mode: str, draft_sample: str | None) -> str:
     return mode if draft_sample is None else f"{mode}/{draft_sample}"
 
 
-def run_name(mode: str, k: int | None) -> str:
-    return (mode if k is None else f"{mode}-k{k}").replace("/", "-")
+def run_name(mode: str, k: int | None, dtype: str | None = None) -> str:
+    """Name of a run's files; `dtype` only when the run sweeps several."""
+    name = mode if k is None else f"{mode}-k{k}"
+    return (name if dtype is None else f"{name}-{dtype}").replace("/", "-")
 
 
 def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool = False) -> dict:
     """Run one mode in a subprocess; its log goes to out_dir/logs/<name>.log. With
     `resume`, a result already in out_dir for the identical spec is reused."""
-    name = run_name(mode_label(spec["mode"], spec.get("draft_sample")), spec.get("num_spec_tokens"))
+    name = run_name(mode_label(spec["mode"], spec.get("draft_sample")), spec.get("num_spec_tokens"),
+                    spec.get("dtype_in_name"))
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "specs"), exist_ok=True)
     spec_path = os.path.join(out_dir, "specs", f"{name}.json")
@@ -221,7 +240,7 @@ def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool
     if spec.get("threads"):
         # numba's pool (ngram proposer) would otherwise spin on the cores OpenMP kernels need.
         env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(spec["threads"])
-    if profile and spec["mode"] == "dflash":
+    if profile and spec["mode"] in ("dflash", "dflash-adaptive"):
         env[PROFILE_ENV] = os.path.abspath(os.path.join(out_dir, "specs", f"{name}.profile.json"))
     with open(log_path, "w") as log:
         try:
@@ -244,7 +263,7 @@ def summarize_runs(run_results: list[dict], greedy: bool = True) -> list[dict]:
     for rr in run_results:
         raw = list(rr["cells"])
         for conc in sorted({c["concurrency"] for c in raw}):
-            same = [c for c in raw if c["concurrency"] == conc]
+            same = [c for c in raw if c["concurrency"] == conc and c["category"] != MIXED]
             if len(same) > 1:
                 raw.append({**metrics.merge(same), "category": "all", "concurrency": conc})
             else:
@@ -252,7 +271,7 @@ def summarize_runs(run_results: list[dict], greedy: bool = True) -> list[dict]:
         for cell in raw:
             fig = metrics.summarize(cell)
             fig.update(mode=rr["mode"], num_spec_tokens=rr["num_spec_tokens"], proposer=rr["proposer"],
-                       category=cell["category"], concurrency=cell["concurrency"],
+                       dtype=rr.get("dtype"), category=cell["category"], concurrency=cell["concurrency"],
                        output_digests=cell.get("output_digests"))
             cells.append(fig)
     metrics.add_speedups(cells)
@@ -278,17 +297,24 @@ def _render(head: list[str], rows: list[list[str]], markdown: bool, rule: bool =
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in lines)
 
 
+def _labeller(cells: list[dict]):
+    """Row label of a cell: its mode, with the dtype when the cells hold several dtypes."""
+    several = len({c.get("dtype") for c in cells}) > 1
+    return lambda c: f"{c['mode']} {c.get('dtype')}" if several else c["mode"]
+
+
 def table(cells: list[dict], category: str = "all", markdown: bool = False) -> str:
     """The terminal table (or a Markdown one) of one category's rows."""
     head = ["mode", "k", "conc", "out tok/s", "tot tok/s", "TPOT ms", "lat p50 s", "lat p99 s",
             "tau", "speedup", "spd p50", "draft %", "match"]
+    label = _labeller(cells)
     rows = []
     for c in cells:
         if c["category"] != category:
             continue
         acc = c.get("acceptance") or {}
         draft = _fmt(100 * c["draft_fraction"], ".0f") if c.get("draft_fraction") is not None else "-"
-        rows.append([c["mode"], _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]),
+        rows.append([label(c), _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]),
                      _fmt(c["output_tokens_per_s"], ".1f"), _fmt(c["total_tokens_per_s"], ".1f"),
                      _fmt(c["time_per_output_token_ms"]), _fmt(c["latency_p50_s"], ".3f"),
                      _fmt(c["latency_p99_s"], ".3f"), _fmt(acc.get("mean_length")), _fmt(c["speedup"]),
@@ -301,10 +327,11 @@ def tau_table(cells: list[dict], markdown: bool = False) -> str:
     spec = [c for c in cells if (c.get("acceptance") or {}).get("num_drafts")]
     if not spec:
         return ""
+    label = _labeller(spec)
     low = min(c["concurrency"] for c in spec)
     cats = list(dict.fromkeys(c["category"] for c in spec))
-    runs = list(dict.fromkeys((c["mode"], c["num_spec_tokens"]) for c in spec))
-    tau = {(c["mode"], c["num_spec_tokens"], c["category"]): c["acceptance"]["mean_length"]
+    runs = list(dict.fromkeys((label(c), c["num_spec_tokens"]) for c in spec))
+    tau = {(label(c), c["num_spec_tokens"], c["category"]): c["acceptance"]["mean_length"]
            for c in spec if c["concurrency"] == low}
     head = ["mode", "k"] + cats
     rows = [[m, str(k)] + [_fmt(tau.get((m, k, cat))) for cat in cats] for m, k in runs]
@@ -314,14 +341,36 @@ def tau_table(cells: list[dict], markdown: bool = False) -> str:
 def split_table(cells: list[dict], markdown: bool = False) -> str:
     """Mean engine-step time split (ms per step) of every mode, all categories pooled."""
     head = ["mode", "k", "conc", "steps", "step ms", "target", "draft", "verify", "overhead", "tok/step"]
+    label = _labeller(cells)
     rows = []
     for c in cells:
         split = c.get("step_split_ms")
         if c["category"] != "all" or not split:
             continue
-        rows.append([c["mode"], _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]), str(c["steps"]),
+        rows.append([label(c), _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]), str(c["steps"]),
                      *(f"{split[p]:.2f}" for p in ("step", "target", "draft", "verify", "overhead")),
                      f"{c['output_tokens'] / c['steps']:.2f}"])
+    if not rows:
+        return ""
+    return _render(head, rows, markdown)
+
+
+def adaptive_table(cells: list[dict], markdown: bool = False) -> str:
+    """What adaptive speculation decided (all categories pooled): share of steps that
+    drafted, mean drafted q, mean verify budget per request, decision kinds, and the
+    largest per-position gap between predicted and realised acceptance."""
+    head = ["mode", "k", "conc", "steps", "drafting %", "mean q", "mean budget", "warmup/explore",
+            "calib max err"]
+    label = _labeller(cells)
+    rows = []
+    for c in cells:
+        a = c.get("adaptive")
+        if c["category"] != "all" or not a:
+            continue
+        reasons = a["reasons"]
+        rows.append([label(c), _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]), str(a["steps"]),
+                     _fmt(100 * a["drafting_share"], ".0f"), _fmt(a["mean_query"]), _fmt(a["mean_budget"]),
+                     f"{reasons.get('warmup', 0)}/{reasons.get('explore', 0)}", _fmt(a["calibration_max_error"], ".3f")])
     if not rows:
         return ""
     return _render(head, rows, markdown)
@@ -337,10 +386,12 @@ def draft_cost_table(cost: dict, markdown: bool = False) -> str:
 def markdown_report(doc: dict) -> str:
     """results.md: the tables of a run, ready to paste into a README."""
     cfg = doc["config"]
+    env = doc["environment"]
+    machine = f" Machine: {describe(env['machine_info'])}." if env.get("machine_info") else ""
     parts = [f"Target `{cfg['target']}`, draft `{cfg['draft']}`, prompts `{cfg['prompts']}`, "
              f"temperature {cfg['temperature']}, max tokens {cfg['max_tokens']}, threads {cfg['threads']}, "
-             f"dtype {cfg['dtype']}, vLLM {doc['environment'].get('vllm')}, {doc['environment']['cpu_count']} CPUs, "
-             f"1-min load average {doc['environment'].get('loadavg_at_start', ['?'])[0]} at start."]
+             f"dtype {cfg['dtype']}, vLLM {env.get('vllm')}, {env['cpu_count']} CPUs, "
+             f"1-min load average {env.get('loadavg_at_start', ['?'])[0]} at start.{machine}"]
     if doc["results"]:
         parts += ["", "All categories pooled:", "", table(doc["results"], "all", markdown=True), "",
                   "Acceptance length (tau, accepted + bonus) per category, lowest concurrency:", "",
@@ -349,6 +400,10 @@ def markdown_report(doc: dict) -> str:
             parts += ["", "Engine step time split (ms per step; overhead = the step outside target forward, "
                       "drafting and verification; tok/step = output tokens per step over all requests):", "",
                       split_table(doc["results"], markdown=True)]
+        if adaptive_table(doc["results"]):
+            parts += ["", "Adaptive speculation (calib max err: largest |predicted - realised| acceptance over "
+                      f"draft positions verified >= {metrics.CALIBRATION_MIN_VERIFIED} times):", "",
+                      adaptive_table(doc["results"], markdown=True)]
     if doc.get("draft_cost"):
         parts += ["", "Draft time per round (torch, CPU):", "", draft_cost_table(doc["draft_cost"], markdown=True)]
     return "\n".join(parts) + "\n"
@@ -357,8 +412,11 @@ def markdown_report(doc: dict) -> str:
 def environment() -> dict:
     import torch
 
+    from vllm_dflash.machine import machine_info
+
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "cuda": torch.cuda.is_available(),
+            "machine_info": machine_info(),  # CPU model and ISA flags: results differ by CPU kind
             "loadavg_at_start": os.getloadavg()}  # timings on a busy machine are noisy: say how busy
     try:
         from importlib.metadata import version
@@ -379,7 +437,13 @@ def base_spec(args: argparse.Namespace, token_prompts: dict[str, list[list[int]]
             "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "max_model_len": max_model_len,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "keep_outputs": args.keep_outputs, "threads": args.threads,
-            "engine_kwargs": {"dtype": args.dtype, **({"enforce_eager": True} if args.enforce_eager else {})}}
+            "engine_kwargs": {"dtype": args.dtypes[0], **({"enforce_eager": True} if args.enforce_eager else {})}}
+
+
+def interleave(token_prompts: dict[str, list[list[int]]]) -> list[list[int]]:
+    """Every category's prompts, round-robin: consecutive prompts (a batch) mix categories."""
+    lists = list(token_prompts.values())
+    return [ps[i] for i in range(max(map(len, lists))) for ps in lists if i < len(ps)]
 
 
 def measure_draft_cost(args: argparse.Namespace) -> dict:
@@ -413,6 +477,8 @@ def execute(args: argparse.Namespace) -> dict:
                               _names(args.categories) if args.categories else None, args.num_prompts)
         has_tok = prompts.has_tokenizer(args.target)
         token_prompts = prompts.encode(sets, args.target, chat_template=not args.no_chat_template)
+        if args.mixed:
+            token_prompts[MIXED] = interleave(token_prompts)
         doc["prompts"] = {c: {"count": len(v), "mean_tokens": sum(map(len, v)) / len(v)}
                           for c, v in token_prompts.items()}
         if args.keep_outputs:
@@ -420,23 +486,28 @@ def execute(args: argparse.Namespace) -> dict:
                 doc["prompts"][c]["texts"] = texts
         spec = base_spec(args, token_prompts, has_tok)
         run_results = []
-        todo = plan(args)
+        several = len(args.dtypes) > 1
+        todo = [(dtype, *run) for dtype in args.dtypes for run in plan(args)]
         bar = tqdm(todo, desc="bench", unit="engine")
-        for mode, k, sample in bar:
+        for dtype, mode, k, sample in bar:
             label = mode_label(mode, sample)
-            bar.set_postfix_str(run_name(label, k))
-            rr = launch({**spec, "mode": mode, "num_spec_tokens": k, "draft_sample": sample}, args.out,
-                        args.timeout, args.profile, args.resume)
-            rr = {**rr, "mode": label}
+            bar.set_postfix_str(run_name(label, k, dtype if several else None))
+            run_spec = {**spec, "mode": mode, "num_spec_tokens": k, "draft_sample": sample,
+                        "engine_kwargs": {**spec["engine_kwargs"], "dtype": dtype}}
+            if several:
+                run_spec["dtype_in_name"] = dtype
+            rr = launch(run_spec, args.out, args.timeout, args.profile, args.resume)
+            rr = {**rr, "mode": label, "dtype": dtype}
             run_results.append(rr)
-            doc["runs"].append({"mode": label, "num_spec_tokens": k, "draft_sample": sample,
+            doc["runs"].append({"mode": label, "num_spec_tokens": k, "draft_sample": sample, "dtype": dtype,
                                 "proposer": rr["proposer"], "engine_start_s": rr["engine_start_s"]})
-            if mode == "dflash" and rr["proposer"] and rr["proposer"].startswith("vllm.v1.spec_decode"):
+            if mode.startswith("dflash") and mode != "dflash-vllm" and rr["proposer"] and \
+                    rr["proposer"].startswith("vllm.v1.spec_decode"):
                 tqdm.write(f"warning: mode dflash ran vLLM's in-tree proposer {rr['proposer']}; "
                            "is the vllm-dflash plugin installed and active?")
         doc["results"] = summarize_runs(run_results, greedy=args.temperature == 0)
         if args.keep_outputs:
-            doc["outputs"] = {run_name(r["mode"], r["num_spec_tokens"]):
+            doc["outputs"] = {run_name(r["mode"], r["num_spec_tokens"], r["dtype"] if several else None):
                               {c["category"]: c.get("output_token_ids") for c in r["cells"]} for r in run_results}
     if args.draft_cost or args.draft_cost_only:
         doc["draft_cost"] = measure_draft_cost(args)
@@ -474,6 +545,9 @@ def print_report(doc: dict) -> None:
         if split_table(doc["results"]):
             print("\nEngine step time split (ms per step):")
             print(split_table(doc["results"]))
+        if adaptive_table(doc["results"]):
+            print("\nAdaptive speculation:")
+            print(adaptive_table(doc["results"]))
         for run in doc["runs"]:
             if run["proposer"]:
                 print(f"  {run_name(run['mode'], run['num_spec_tokens'])}: proposer {run['proposer']}")

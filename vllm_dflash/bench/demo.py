@@ -1,7 +1,8 @@
 """`vllm-dflash demo` (`make demo`): the bundled pair with and without DFlash.
 
-A small `vllm-dflash bench`: modes none and dflash, concurrency 1, a few toy
-prompts per category, one fresh engine per mode. Prints one generated text,
+A small `vllm-dflash bench`: modes none and dflash-adaptive (the plugin as a
+user runs it: adaptive speculation), concurrency 1, a few toy prompts per
+category, one fresh engine per mode. Prints one generated text,
 whether DFlash reproduced the no-spec output, the acceptance length and the
 speedup per category.
 """
@@ -15,6 +16,8 @@ import os
 import sys
 
 from vllm_dflash.bench import cli as bench_cli
+
+SPEC_MODE = "dflash-adaptive"  # the plugin's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +43,7 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     bench_cli.add_arguments(parser)
     b = parser.parse_args([])
     b.target, b.draft = args.target, args.draft
-    b.modes, b.concurrency = "none,dflash", "1"
+    b.modes, b.concurrency = f"none,{SPEC_MODE}", "1"
     b.num_prompts, b.max_tokens, b.threads = args.num_prompts, args.max_tokens, args.threads
     b.num_spec_tokens = args.num_spec_tokens
     b.keep_outputs, b.enforce_eager, b.dtype = True, not args.compile, args.dtype
@@ -88,15 +91,15 @@ def report(doc: dict) -> str:
     lines.append("Tokens/s per request (median; one request at a time), speedup, acceptance length:")
     lines.append(f"{'category':<10}{'no-spec tok/s':>14}{'DFlash tok/s':>14}{'speedup':>9}{'accept len':>12}")
     for cat in cats + ["all"]:
-        base, spec = res.get(("none", cat)), res.get(("dflash", cat))
+        base, spec = res.get(("none", cat)), res.get((SPEC_MODE, cat))
         if not base or not spec:
             continue
         tau = (spec.get("acceptance") or {}).get("mean_length", math.nan)
         lines.append(f"{cat:<10}{base['request_tokens_per_s_p50']:>14.1f}{spec['request_tokens_per_s_p50']:>14.1f}"
                      f"{spec['speedup_p50']:>8.2f}x{tau:>12.2f}")
-    run = next((r for r in doc["runs"] if r["mode"] == "dflash"), None)
+    run = next((r for r in doc["runs"] if r["mode"] == SPEC_MODE), None)
     if run:
-        lines.append(f"DFlash k={run['num_spec_tokens']} proposer: {run['proposer']}")
+        lines.append(f"DFlash (adaptive, k <= {run['num_spec_tokens']}) proposer: {run['proposer']}")
     note = bench_cli.busy_note(doc)
     if note:
         lines.append(note)

@@ -161,6 +161,34 @@ def request_timing(requests: Sequence[Mapping[str, float]]) -> dict:
     }
 
 
+# Positions verified fewer times than this are left out of the calibration error (noise).
+CALIBRATION_MIN_VERIFIED = 100
+
+
+def adaptive_summary(counters: Mapping[str, Any]) -> dict:
+    """Figures of adaptive speculation's counters over a measurement
+    (`vllm_dflash.adaptive.stats` snapshot difference): decisions, budgets,
+    and calibration per draft position (mean predicted survival of verified
+    positions vs their realised acceptance)."""
+    from vllm_dflash.adaptive.stats import calibration
+
+    steps = sum(counters["steps"].values())
+    q_hist, b_hist = list(counters["query_hist"]), list(counters["budget_hist"])
+    rows = calibration(counters)
+    judged = [r for r in rows if r["verified"] >= CALIBRATION_MIN_VERIFIED]
+    return {
+        "steps": steps,
+        "reasons": dict(counters["steps"]),
+        "query_hist": q_hist,
+        "budget_hist": b_hist,
+        "drafting_share": 1 - q_hist[0] / steps if steps else math.nan,
+        "mean_query": sum(q * h for q, h in enumerate(q_hist)) / steps if steps else math.nan,
+        "mean_budget": sum(b * h for b, h in enumerate(b_hist)) / sum(b_hist) if sum(b_hist) else math.nan,
+        "calibration": rows,
+        "calibration_max_error": max((abs(r["predicted"] - r["realised"]) for r in judged), default=math.nan),
+    }
+
+
 def summarize(measurement: Mapping[str, Any]) -> dict:
     """Every figure of one (mode, k, category, concurrency) measurement.
 
@@ -207,16 +235,23 @@ def summarize(measurement: Mapping[str, Any]) -> dict:
                 "step": 1e3 * step_s / steps}
     if measurement.get("proposer_profile"):
         fig["proposer_profile"] = measurement["proposer_profile"]
+    if measurement.get("adaptive"):
+        fig["adaptive"] = adaptive_summary(measurement["adaptive"])
     return fig
 
 
+def _cell_key(c: Mapping[str, Any]) -> tuple:
+    """Cells comparable with each other: same dtype, category and concurrency."""
+    return c.get("dtype"), c["category"], c["concurrency"]
+
+
 def add_speedups(cells: list[dict]) -> None:
-    """Set `speedup` = output tok/s over mode "none" at the same category and concurrency,
-    and `speedup_p50` = the same ratio of median per-request tok/s (robust to noise)."""
+    """Set `speedup` = output tok/s over mode "none" at the same dtype, category and
+    concurrency, and `speedup_p50` = the same ratio of median per-request tok/s (robust to noise)."""
     for key, out in (("output_tokens_per_s", "speedup"), ("request_tokens_per_s_p50", "speedup_p50")):
-        base = {(c["category"], c["concurrency"]): c.get(key) for c in cells if c["mode"] == "none"}
+        base = {_cell_key(c): c.get(key) for c in cells if c["mode"] == "none"}
         for c in cells:
-            ref, mine = base.get((c["category"], c["concurrency"])), c.get(key)
+            ref, mine = base.get(_cell_key(c)), c.get(key)
             c[out] = mine / ref if ref and mine is not None and not math.isnan(ref) else math.nan
 
 
@@ -225,9 +260,9 @@ def match_rate(cells: list[dict]) -> None:
 
     Speculative decoding is lossless, so at temperature 0 this should be 1.0
     (floating-point batch effects can flip a near-tie now and then)."""
-    base = {(c["category"], c["concurrency"]): c.get("output_digests") for c in cells if c["mode"] == "none"}
+    base = {_cell_key(c): c.get("output_digests") for c in cells if c["mode"] == "none"}
     for c in cells:
-        ref, mine = base.get((c["category"], c["concurrency"])), c.get("output_digests")
+        ref, mine = base.get(_cell_key(c)), c.get("output_digests")
         if not ref or not mine or len(ref) != len(mine):
             c["outputs_match_none"] = None
         else:
@@ -257,6 +292,11 @@ def merge(measurements: Sequence[Mapping[str, Any]]) -> dict:
             for name in TIMED_PARTS:
                 sums[name] += m.get(name) or 0.0
     out["counters"] = counters.to_dict() if counters is not None else None
+    adaptive = [m["adaptive"] for m in measurements if m.get("adaptive")]
+    if adaptive:
+        from vllm_dflash.adaptive.stats import merge as merge_adaptive
+
+        out["adaptive"] = merge_adaptive(adaptive)
     profiles = [m["proposer_profile"] for m in measurements if m.get("proposer_profile")]
     if profiles:
         merged: dict[str, dict] = {}

@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _label(cell: dict) -> str:
     k = cell.get("num_spec_tokens")
-    return cell["mode"] if k is None else f"{cell['mode']} k={k}"
+    name = cell["mode"] if k is None else f"{cell['mode']} k={k}"
+    return name if cell.get("dtype") in (None, "auto") else f"{name} {cell['dtype']}"
 
 
 def _spec_cells(results: list[dict], category: str) -> list[dict]:
@@ -23,13 +24,13 @@ def _spec_cells(results: list[dict], category: str) -> list[dict]:
 
 def speedup_vs_concurrency(results: list[dict], path: str, category: str = "all") -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
-    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    series: dict[str, list[tuple[int, float]]] = {}
     for c in results:
         if c["category"] == category and c["mode"] != "none" and not math.isnan(c.get("speedup", math.nan)):
-            series.setdefault((c["mode"], c["num_spec_tokens"]), []).append((c["concurrency"], c["speedup"]))
-    for (mode, k), pts in sorted(series.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+            series.setdefault(_label(c), []).append((c["concurrency"], c["speedup"]))
+    for label, pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} k={k}")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="no speculation")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({c["concurrency"] for c in results}))
@@ -125,6 +126,59 @@ def draft_cost(cost: dict, path: str) -> str:
     return path
 
 
+def _adaptive_cells(results: list[dict]) -> list[dict]:
+    return [c for c in results if c["category"] == "all" and c.get("adaptive") and c["adaptive"]["steps"]]
+
+
+def adaptive_budgets(results: list[dict], path: str) -> str:
+    """Left: share of per-request verify budgets 0..k; right: share of steps drafting q
+    positions; one line per (run, concurrency)."""
+    fig, (ax_b, ax_q) = plt.subplots(1, 2, figsize=(11, 4))
+    for c in _adaptive_cells(results):
+        a = c["adaptive"]
+        for ax, hist in ((ax_b, a["budget_hist"]), (ax_q, a["query_hist"])):
+            total = sum(hist)
+            if total:
+                ax.plot(range(len(hist)), [h / total for h in hist], marker=".",
+                        label=f"{_label(c)} c={c['concurrency']}")
+    ax_b.set_xlabel("draft tokens verified per request and step (budget)")
+    ax_b.set_ylabel("share of request-steps")
+    ax_b.set_title("Adaptive budgets")
+    ax_q.set_xlabel("draft positions drafted per step (q)")
+    ax_q.set_ylabel("share of steps")
+    ax_q.set_title("Drafted query length")
+    for ax in (ax_b, ax_q):
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def adaptive_calibration(results: list[dict], path: str) -> str:
+    """Predicted (mean survival at verification) vs realised acceptance per draft position."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, c in enumerate(_adaptive_cells(results)):
+        rows = c["adaptive"]["calibration"]
+        if not rows:
+            continue
+        color = colors[i % len(colors)]
+        pos = [r["position"] for r in rows]
+        ax.plot(pos, [r["realised"] for r in rows], marker="o", color=color,
+                label=f"{_label(c)} c={c['concurrency']} realised")
+        ax.plot(pos, [r["predicted"] for r in rows], ls="--", marker="x", color=color, label="predicted")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("draft position (verified)")
+    ax.set_ylabel("acceptance")
+    ax.set_title("Adaptive calibration: predicted vs realised")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_all(data: dict, out_dir: str) -> list[str]:
     """Every plot the results support; returns the written paths."""
     paths = []
@@ -133,6 +187,9 @@ def write_all(data: dict, out_dir: str) -> list[str]:
         paths.append(speedup_vs_concurrency(results, os.path.join(out_dir, "speedup_vs_concurrency.png")))
         paths.append(acceptance_histogram(results, os.path.join(out_dir, "acceptance_histogram.png")))
         paths.append(per_position_acceptance(results, os.path.join(out_dir, "per_position_acceptance.png")))
+        if _adaptive_cells(results):
+            paths.append(adaptive_budgets(results, os.path.join(out_dir, "adaptive_budgets.png")))
+            paths.append(adaptive_calibration(results, os.path.join(out_dir, "adaptive_calibration.png")))
     if data.get("draft_cost"):
         paths.append(draft_cost(data["draft_cost"], os.path.join(out_dir, "draft_cost.png")))
     return paths

@@ -32,7 +32,10 @@ from vllm_dflash import envs, profiler
 from vllm_dflash.bench.metrics import TIMED_PARTS
 from vllm_dflash.patches.model_runner import model_runner_of
 
-MODES = ("none", "dflash", "dflash-vllm", "ngram", "eagle3")
+# dflash: the plugin drafting k tokens every step (`adaptive: false`); dflash-adaptive:
+# the plugin's default, adaptive speculation with k the most per request and step.
+MODES = ("none", "dflash", "dflash-adaptive", "dflash-vllm", "ngram", "eagle3")
+PLUGIN_MODES = ("dflash", "dflash-adaptive")
 
 
 def speculative_config(spec: dict) -> dict | None:
@@ -40,12 +43,14 @@ def speculative_config(spec: dict) -> dict | None:
     mode, k = spec["mode"], spec.get("num_spec_tokens")
     if mode == "none":
         return None
-    if mode in ("dflash", "dflash-vllm"):
+    if mode in PLUGIN_MODES or mode == "dflash-vllm":
         cfg = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": k}
+        if mode in PLUGIN_MODES:
+            cfg["adaptive"] = mode == "dflash-adaptive"
         sample = spec.get("draft_sample")
         if sample is not None:
             # The plugin's key for the plugin; vLLM's own key (same meaning) for the in-tree proposer.
-            if mode == "dflash":
+            if mode in PLUGIN_MODES:
                 cfg["draft_sample"] = sample
             else:
                 cfg["draft_sample_method"] = {"argmax": "greedy", "sample": "probabilistic"}[sample]
@@ -113,6 +118,7 @@ def run(spec: dict) -> dict:
     engine_start_s = time.perf_counter() - t0
     model_runner = model_runner_of(llm)
     drafter = getattr(model_runner, "drafter", None) if model_runner is not None else None
+    adaptive = getattr(drafter, "adaptive", None)  # the plugin's adaptive speculation, when on
     proposer = None if drafter is None else f"{type(drafter).__module__}.{type(drafter).__qualname__}"
     timer = None
     if model_runner is not None and spec.get("time_steps", True):
@@ -157,6 +163,7 @@ def run(spec: dict) -> dict:
             start = counters()
             step0 = profiler.step_split(timer.phases) if timer else None
             prof0 = read_profile(profile_file)
+            adaptive0 = adaptive.stats.snapshot() if adaptive is not None else None
             for rep in range(spec["repeats"]):
                 for batch in batches:
                     t = time.perf_counter()
@@ -187,10 +194,14 @@ def run(spec: dict) -> dict:
                     cell["draft_s"] = 0.0
             cell["proposer_profile"] = profiler.delta((prof0 or {}).get("phases"),
                                                       (read_profile(profile_file) or {}).get("phases"))
+            if adaptive is not None:  # what adaptive speculation decided in this cell, and how well it predicted
+                from vllm_dflash.adaptive.stats import difference
+
+                cell["adaptive"] = difference(adaptive.stats.snapshot(), adaptive0)
             cells.append(cell)
     bar.close()
     return {"mode": spec["mode"], "num_spec_tokens": spec.get("num_spec_tokens"), "proposer": proposer,
-            "engine_start_s": engine_start_s, "cells": cells}
+            "dtype": spec.get("engine_kwargs", {}).get("dtype"), "engine_start_s": engine_start_s, "cells": cells}
 
 
 def main(argv: list[str] | None = None) -> int:

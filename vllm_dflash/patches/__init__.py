@@ -17,7 +17,7 @@ upstream issue or PR where there is one, and when it can go. Kinds:
 vLLM (name, parameters, callers, restated source), so an upgrade fails there.
 
 Adding an entry: put it in the module of its area (`serving`, `verifier`,
-`model_runner`, `vllm_fixes`; a new area gets a new module with an `ENTRIES` list, added to
+`model_runner`, `adaptive`, `vllm_fixes`; a new area gets a new module with an `ENTRIES` list, added to
 `AREAS` below). A patch is an entry with kind="patch" and an `install`
 function that is idempotent (`internal.wrap_once` marks what it wraps).
 
@@ -34,11 +34,11 @@ fail in the tests that make them.
 from __future__ import annotations
 
 from vllm_dflash import envs
-from vllm_dflash.patches import model_runner, serving, verifier, vllm_fixes
+from vllm_dflash.patches import adaptive, model_runner, serving, verifier, vllm_fixes
 from vllm_dflash.patches.internal import KINDS, PROCESSES, VLLM_VERSION, VllmInternal, resolve
 from vllm_dflash.patches.model_runner import model_runner_of
 
-AREAS = (serving, verifier, model_runner, vllm_fixes)
+AREAS = (serving, verifier, model_runner, adaptive, vllm_fixes)
 REGISTER: list[VllmInternal] = [entry for area in AREAS for entry in area.ENTRIES]
 PATCHES: list[VllmInternal] = [entry for entry in REGISTER if entry.kind == "patch"]
 

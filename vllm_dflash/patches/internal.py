@@ -25,7 +25,7 @@ KINDS = {
     "call": "a vLLM function or method we call, relying on its parameters",
     "read": "attributes of a vLLM object we read or set",
     "wrap": "an instance's method wrapped for timing (bench, profiler)",
-    "mirror": "a vLLM rule restated in our code; vLLM's source must still state it",
+    "mirror": "a vLLM rule or behaviour our code restates or relies on; vLLM's source must still state it",
 }
 # Where the access happens: the process that builds the engine config (LLM,
 # `vllm serve`'s API server), the engine core, the model-runner worker, or

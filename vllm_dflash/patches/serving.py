@@ -106,7 +106,9 @@ ENTRIES: list[VllmInternal] = [
         process=("frontend",),
         why="SpeculativeConfig needs `model` and `num_speculative_tokens` for dflash and forbids unknown keys: "
         "fill a missing draft (known-targets table) and count (block_size - 1), validate the draft as a "
-        "ValueError naming the field, translate our draft_sample key into vLLM's draft_sample_method",
+        "ValueError naming the field, translate our draft_sample key into vLLM's draft_sample_method; take "
+        "out our adaptive key, record it in the draft's dflash_config for the workers, turn async scheduling "
+        "off for it and set up the engine's adaptive-metrics folder before the engine processes start",
         how="wrap (serving.draft_resolution.complete_speculative_config): complete the dict before vLLM's "
         "method builds SpeculativeConfig; afterwards spell out the draft's target_layer_ids in its hf_config "
         "(the runner reads them) and attach the validated DFlashConfig to the SpeculativeConfig",
@@ -122,10 +124,11 @@ ENTRIES: list[VllmInternal] = [
         kind="read",
         process=("frontend",),
         why="vLLM merges --speculative-method/-model/-tokens into the dict inside create_speculative_config; "
-        "the config patch looks at them to see the user's whole config",
-        how="read self.<name> inside the patched method",
+        "the config patch looks at them to see the user's whole config, and sets async_scheduling for "
+        "adaptive speculation",
+        how="read self.<name> inside the patched method; set self.async_scheduling",
         remove_when="with the create_speculative_config patch",
-        names=("speculative_config", "spec_method", "spec_model", "spec_tokens"),
+        names=("speculative_config", "spec_method", "spec_model", "spec_tokens", "async_scheduling"),
     ),
     # -------------------------------------------------------- proposer ----
     VllmInternal(

@@ -12,15 +12,19 @@ runs outside the compiled graph: its shapes change every step.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vllm_dflash import ops
+from vllm_dflash.serving import context_precision
 
 if TYPE_CHECKING:
     from vllm_dflash.serving.draft_model import DFlashAttention, DFlashModel
+
+logger = logging.getLogger("vllm.vllm_dflash")  # under vLLM's logger, so its handler prints it
 
 # vLLM attention backend name -> KV cache layout understood by ops.store_context_kv_layer.
 CACHE_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "flash"}
@@ -70,6 +74,7 @@ class ContextKVWriter:
         self.model = model
         # (first layer's cache, dtype, store_context_kv_fused arguments or None): see _fused_args.
         self._fused_plan: tuple | None = None
+        self._fp32_weights: tuple | None = None  # decided at the first context write: see _choose_precision
 
     def attention_layers(self) -> list[DFlashAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -87,7 +92,43 @@ class ContextKVWriter:
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """Raw K/V (before k_norm and RoPE) of context tokens in every layer,
-        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection."""
+        [n, L, 2, H_kv, d]: fc + hidden_norm, then one K/V projection (in
+        float32 where that is faster here: `serving.context_precision`)."""
+        attns = self.attention_layers()
+        shape = (target_features.shape[0], len(attns), 2, attns[0].num_kv_heads, attns[0].head_dim)
+        if self._fp32_weights is None:
+            self._fp32_weights = self._choose_precision(target_features)
+        if self._fp32_weights:
+            return context_precision.project_fp32(target_features, *self._fp32_weights).to(
+                target_features.dtype).view(shape)
+        return self._project_native(target_features).view(shape)
+
+    def _choose_precision(self, target_features: torch.Tensor) -> tuple:
+        """() for the model's own dtype, else the float32 weights of project_fp32
+        (measured once, at the first context write: the write runs every step)."""
+        model = self.model
+        norm, kv_proj = model.hidden_norm, model.context_kv_proj
+        plain = (kv_proj is not None and norm.has_weight and norm.variance_size_override is None
+                 and isinstance(getattr(model.fc, "weight", None), torch.Tensor)
+                 and isinstance(getattr(kv_proj, "weight", None), torch.Tensor))
+        if target_features.device.type != "cpu" or target_features.dtype == torch.float32 or not plain:
+            return ()
+        bias = getattr(kv_proj, "bias", None)
+        weights = (model.fc.weight.detach().float(), norm.weight.detach().float(), norm.variance_epsilon,
+                   kv_proj.weight.detach().float(), None if bias is None else bias.detach().float())
+        sample = target_features[:64]
+        if sample.shape[0] < 16:  # decide on a batch that stands for a step, not on one token
+            sample = sample.repeat((16 + sample.shape[0] - 1) // sample.shape[0], 1)[:16]
+        choice = context_precision.choose_faster({
+            "native": lambda: self._project_native(sample),
+            "float32": lambda: context_precision.project_fp32(sample, *weights).to(sample.dtype),
+        })
+        logger.info("vllm-dflash: context K/V projection in %s (measured faster than %s here)",
+                    choice if choice == "float32" else str(target_features.dtype),
+                    str(target_features.dtype) if choice == "float32" else "float32")
+        return weights if choice == "float32" else ()
+
+    def _project_native(self, target_features: torch.Tensor) -> torch.Tensor:
         model = self.model
         context = model.fc(target_features)
         norm = model.hidden_norm
@@ -97,12 +138,10 @@ class ContextKVWriter:
             context = ops.rms_norm(context, norm.weight, norm.variance_epsilon)
         else:
             context = norm(context)
-        attns = self.attention_layers()
         if model.context_kv_proj is not None:
-            kv = model.context_kv_proj(context)
-        else:  # quantized drafts: packed weights cannot be sliced, project per layer
-            kv = torch.stack([a.qkv_proj(context)[0][:, a.q_size:] for a in attns], dim=1)
-        return kv.view(context.shape[0], len(attns), 2, attns[0].num_kv_heads, attns[0].head_dim)
+            return model.context_kv_proj(context)
+        # quantized drafts: packed weights cannot be sliced, project per layer
+        return torch.stack([a.qkv_proj(context)[0][:, a.q_size:] for a in self.attention_layers()], dim=1)
 
     def norm_rope(self, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of context tokens in every layer, [n, L, H_kv, d]

@@ -169,12 +169,32 @@ def complete_speculative_config(
         kept = {k: v for k, v in (engine_args.speculative_config or {}).items()
                 if k.replace("-", "_") not in ("draft_sample", "draft_sample_method")}
         engine_args.speculative_config = {**kept, "draft_sample_method": sample_method}
-    result = create(engine_args, target_model_config, target_parallel_config)
-    if cfg is not None and result is not None:
-        # The runner captures the aux layers named here; a draft that relies on
-        # z-lab's default rule gets them spelled out.
-        dflash = getattr(result.draft_model_config.hf_config, "dflash_config", None)
-        if isinstance(dflash, dict) and not dflash.get("target_layer_ids"):
-            dflash["target_layer_ids"] = list(cfg.target_layer_ids)
-        setattr(result, DFLASH_CONFIG_ATTRIBUTE, cfg)
+    # ... and `adaptive` travels in the draft's dflash_config (serving.adaptive_option).
+    from vllm_dflash.serving import adaptive_option
+
+    adaptive = adaptive_option.adaptive_choice(spec, plugin=envs.use_plugin_impl())
+    given = engine_args.speculative_config
+    if given is not None and adaptive_option.ADAPTIVE_KEY in spec:
+        engine_args.speculative_config = adaptive_option.without_key(given)
+    if adaptive:
+        engine_args.async_scheduling = adaptive_option.scheduling_for_adaptive(engine_args.async_scheduling)
+    if spec.get("method") == "dflash":  # this engine's metrics folder (or none), before it starts
+        from vllm_dflash.adaptive import prometheus
+
+        prometheus.start_engine(bool(adaptive))
+    try:
+        result = create(engine_args, target_model_config, target_parallel_config)
+    finally:
+        engine_args.speculative_config = given  # a second call sees the user's keys again
+    if result is not None and result.draft_model_config is not None:
+        hf_config = result.draft_model_config.hf_config
+        if cfg is not None:
+            # The runner captures the aux layers named here; a draft that relies on
+            # z-lab's default rule gets them spelled out.
+            dflash = getattr(hf_config, "dflash_config", None)
+            if isinstance(dflash, dict) and not dflash.get("target_layer_ids"):
+                dflash["target_layer_ids"] = list(cfg.target_layer_ids)
+            setattr(result, DFLASH_CONFIG_ATTRIBUTE, cfg)
+        if adaptive is not None:
+            adaptive_option.mark(hf_config, adaptive)
     return result

@@ -11,21 +11,30 @@ and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
    (rejected drafts are skipped) -> fc + hidden_norm -> per-layer K/V written
    into the draft's paged cache at those tokens' slots. Earlier context is
    already cached, so nothing is recomputed.
-2. one forward pass of the query block `[bonus, MASK x k]` at positions
-   `[p, p + k]`, bidirectional within the block and over all context.
+2. one forward pass of the query block `[bonus, MASK x q]` at positions
+   `[p, p + q]`, bidirectional within the block and over all context.
 3. argmax (or, with vLLM's `draft_sample_method="probabilistic"`, sampled)
    draft tokens; sampled drafts leave their probabilities q for the
    rejection sampler (vLLM's `take_last_draft_probs()`).
 
-The drafter keeps no per-request state: everything lives in vLLM's block
-tables, so chunked prefill, prefix caching, preemption and requests leaving
-the batch need no bookkeeping here.
+Static speculation (`adaptive: false`) drafts q = k = num_speculative_tokens
+every step. Adaptive speculation (the default, `vllm_dflash.adaptive`)
+plans q per step (0: no draft forward, the context write still runs), then
+hands each request the prefix of its draft worth verifying, as lists.
+
+The drafter's cache needs no per-request state: everything lives in vLLM's
+block tables, so chunked prefill, prefix caching, preemption and requests
+leaving the batch need no bookkeeping here. (Adaptive speculation
+remembers, by request id, what it handed out, to learn from the outcome.)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from vllm.config import VllmConfig
@@ -35,13 +44,40 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_dflash import ops, profiler
+from vllm_dflash import envs, ops, profiler
+from vllm_dflash.adaptive import prometheus
+from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence, sampled_confidence
+from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
+from vllm_dflash.adaptive.stats import AdaptiveStats
+from vllm_dflash.serving.adaptive_option import adaptive_enabled
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
+from vllm_dflash.verifier import sampling_params
 from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.sampler import min_p_per_request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM's log handlers show it
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    """(world size, rank) of this worker's tensor-parallel group; (1, 0) outside one."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # distributed not initialised (tests building a proposer alone)
+        return 1, 0
+
+
+class _StepInputs(NamedTuple):
+    """What the runner hands propose() that drafting a block needs."""
+
+    target_positions: torch.Tensor
+    target_hidden_states: torch.Tensor
+    next_token_ids: torch.Tensor
+    cad: CommonAttentionMetadata
+    sampling_metadata: SamplingMetadata
+    num_rejected_tokens_gpu: torch.Tensor | None
 
 
 class DFlashProposer(SpecDecodeBaseProposer):
@@ -59,12 +95,36 @@ class DFlashProposer(SpecDecodeBaseProposer):
         super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
         self.dflash_config = dflash_config_of(spec)
         self.mask_token_id = self.dflash_config.mask_token_id
-        self._runner = runner  # read: discard_request_mask (seeded draft sampling)
+        # Batch state read from the runner (register: patches.serving / patches.adaptive): request ids,
+        # verified drafts, discard_request_mask (adaptive budgets, seeded draft sampling).
+        self.runner = runner
+        self.last_draft_block: torch.Tensor | None = None  # [B, q] drafts of the last query block
+        self.confidence_feature = DEFAULT_FEATURE
+        self._tp_size, tp_rank = _tensor_parallel()
+        self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         logger.info(
-            "vllm-dflash DFlash proposer: draft %s (block_size %d), %d draft tokens per step",
+            "vllm-dflash DFlash proposer: draft %s (block_size %d), %s",
             spec.model,
             self.dflash_config.block_size,
-            spec.num_speculative_tokens,
+            f"adaptive speculation, at most {spec.num_speculative_tokens} draft tokens per request and step"
+            if self.adaptive is not None else f"{spec.num_speculative_tokens} draft tokens per step",
+        )
+
+    def _build_adaptive(self, vllm_config: VllmConfig, runner, tp_rank: int) -> AdaptiveSpeculation:
+        if runner is not None and getattr(runner, "use_async_scheduling", False):
+            raise ValueError(
+                "vllm-dflash adaptive speculation gives each request its own draft length, which vLLM's "
+                "async scheduling cannot schedule: pass async_scheduling=False or speculative_config "
+                "adaptive=false"
+            )
+        path = prometheus.stats_path(tp_rank) if tp_rank == 0 else None
+        seed = vllm_config.model_config.seed
+        return AdaptiveSpeculation(
+            self.num_speculative_tokens,
+            vllm_config.scheduler_config.max_num_seqs,
+            seed=0 if seed is None else int(seed),
+            schedule=envs.adaptive_schedule(),
+            stats=AdaptiveStats(self.num_speculative_tokens, path=path),
         )
 
     def _create_draft_vllm_config(self) -> VllmConfig:
@@ -138,24 +198,40 @@ class DFlashProposer(SpecDecodeBaseProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
-    ) -> torch.Tensor:
-        """Draft `num_speculative_tokens` tokens per request: [B, k] token ids.
+    ) -> torch.Tensor | list[list[int]]:
+        """Static: [B, k] draft token ids, k = `num_speculative_tokens`.
+        Adaptive: per request a list of 0..k draft token ids (see `_propose_adaptive`).
 
         `target_hidden_states` is what vLLM 0.32's runner hands every
         hidden-state drafter: the captured target layers already concatenated
         per token, [T, L*D], for all T tokens of the last target pass
-        (rejected drafts included). Per step: `ops.prepare_dflash_inputs`
-        (context rows/positions/slots, the query block's ids/positions/slots
-        and lengths), `ops.gather_hidden_states` when some rows were rejected
-        (CPU), `store_context_kv` (fc and K/V GEMMs + `ops.store_context_kv_fused`),
-        then vLLM's attention metadata and the query-block forward.
+        (rejected drafts included).
         """
-        self.num_speculative_tokens = k = num_speculative_tokens
+        step = _StepInputs(target_positions, target_hidden_states, next_token_ids, common_attn_metadata,
+                           sampling_metadata, num_rejected_tokens_gpu)
+        if self.adaptive is not None:
+            return self._propose_adaptive(step)
+        self.num_speculative_tokens = num_speculative_tokens
+        return self._propose_block(num_speculative_tokens, step)[0]
+
+    def _propose_block(
+        self, q: int, inputs: _StepInputs, confidence: bool = False
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Write the new context K/V, then draft the block [bonus, MASK x q]:
+        ([B, q] draft ids, (feature, prior) [B, q] confidences or None).
+
+        Per step: `ops.prepare_dflash_inputs` (context rows/positions/slots,
+        the query block's ids/positions/slots and lengths),
+        `ops.gather_hidden_states` when some rows were rejected (CPU),
+        `store_context_kv` (fc and K/V GEMMs + `ops.store_context_kv_fused`), then
+        vLLM's attention metadata and the query-block forward. q = 0 writes
+        the context and drafts nothing.
+        """
         self._last_draft_probs = None
-        cad = common_attn_metadata
+        target_positions, target_hidden_states, next_token_ids, cad, sampling_metadata, num_rejected_tokens_gpu = inputs
         batch_size = next_token_ids.shape[0]
         num_rows = target_positions.shape[0]
-        q_len = k + 1
+        q_len = q + 1
 
         # One native call for every index the step needs. On CPU the context is
         # compacted to the verified rows (the count is free on the host); on
@@ -169,7 +245,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             cad.block_table_tensor,
             self.block_size,
             self.mask_token_id,
-            k,
+            q,
             num_rows,
             self.device.type == "cpu",
         )
@@ -178,8 +254,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         else:
             features = ops.gather_hidden_states([target_hidden_states], step.context_rows)
         self.model.store_context_kv(features, step.context_positions, step.context_slots)
-        if k == 0:  # the cache is in sync; nothing to draft
-            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+        if q == 0:  # the cache is in sync; nothing to draft
+            self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+            return self.last_draft_block, None
 
         if self.device.type == "cpu":  # the exact values are already on the host
             query_start_loc_cpu, seq_lens_upper = step.query_start_loc, step.seq_lens
@@ -208,30 +285,98 @@ class DFlashProposer(SpecDecodeBaseProposer):
             slot_mapping={name: step.slots for name in self._draft_attn_layer_names},
         ):
             hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
-        # Row 0 of each block is the bonus token; rows 1..k predict the drafts.
-        mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * k, -1)
-        draft_ids = self._draft_tokens(mask_hidden, sampling_metadata)
-        return draft_ids.view(batch_size, k)
+        # Row 0 of each block is the bonus token; rows 1..q predict the drafts.
+        mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * q, -1)
+        draft_ids, conf = self._draft_tokens(mask_hidden, sampling_metadata, q, confidence)
+        self.last_draft_block = draft_ids.view(batch_size, q)
+        if conf is not None:
+            conf = tuple(c.view(batch_size, q) for c in conf)
+        return self.last_draft_block, conf
 
-    def _draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        """Argmax drafts, or sampled drafts with vLLM's `draft_sample_method=
-        "probabilistic"` (their distributions q then go to vLLM's rejection sampler)."""
+    def _propose_adaptive(self, inputs: _StepInputs) -> list[list[int]]:
+        """Per request, the draft tokens worth verifying (`vllm_dflash.adaptive`).
+
+        The runner hands the lists to the scheduler as each request's
+        spec_token_ids, any length (0 too). From the runner's batch: the
+        request ids (rows move between steps: outcomes are matched by id),
+        how many drafts each request had verified this step
+        (`input_batch.spec_token_ids`, what the scheduler actually
+        scheduled) and, with `num_rejected_tokens_gpu`, how many were
+        accepted; partial prefills (`discard_request_mask`) get no budget.
+        The context K/V of every verified token is written whatever q is.
+        """
+        adaptive, runner = self.adaptive, self.runner
+        num_rejected_tokens_gpu, sampling_metadata = inputs.num_rejected_tokens_gpu, inputs.sampling_metadata
+        batch_size = inputs.next_token_ids.shape[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
+        t0 = time.perf_counter()
+        batch = runner.input_batch
+        req_ids = batch.req_ids[:batch_size]
+        verified = np.fromiter((len(batch.spec_token_ids[i]) for i in range(batch_size)), np.int64, batch_size)
+        if num_rejected_tokens_gpu is None:
+            accepted = verified
+        else:
+            accepted = np.maximum(verified - num_rejected_tokens_gpu[:batch_size].cpu().numpy(), 0)
+        greedy = sampling_params.greedy_mask(
+            None if sampling_metadata.all_greedy else sampling_metadata.temperature, batch_size, self.device)
+        eligible = ~runner.discard_request_mask.np[:batch_size].astype(bool)
+        plan = adaptive.begin(t0, req_ids, verified, accepted, inputs.target_positions.shape[0],
+                              greedy.cpu().numpy(), eligible)
+        q = self._same_on_every_rank(plan.q)
+        drafts, conf = self._propose_block(q, inputs, confidence=True)
+        if q == 0:
+            feature = prior = np.zeros((batch_size, 0))
+            rows: list[list[int]] = [[] for _ in range(batch_size)]
+        else:
+            rows = drafts.tolist()
+            feature, prior = (c.cpu().numpy() for c in conf)
+        budgets = adaptive.choose(time.perf_counter(), feature, prior)
+        out = [row[:b] for row, b in zip(rows, budgets.tolist())]
+        adaptive.end(time.perf_counter())
+        return out
+
+    def _same_on_every_rank(self, q: int) -> int:
+        """Tensor-parallel ranks time their own steps, so they could plan differently;
+        the draft forward is collective, so rank 0's q is everyone's."""
+        if self._tp_size <= 1:
+            return q
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().broadcast_object(q, src=0))
+
+    def _draft_tokens(
+        self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata, width: int, confidence: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(draft ids, (feature, prior) confidences or None).
+
+        Argmax drafts, or sampled drafts with vLLM's `draft_sample_method=
+        "probabilistic"` (their distributions q then go to the rejection
+        sampler, through `_last_draft_probs`), a seeded request's from its
+        own generator (`_seeded_draft_generators`). Sampled
+        drafts are scored by the probability they were drawn with
+        (`sampled_confidence`), argmax drafts by the logit margin."""
         logits = self.model.compute_logits(hidden_states)
+        conf = draft_confidence(logits, self.confidence_feature) if confidence else None
         if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
-            k = self.num_speculative_tokens
-            batch_size = logits.shape[0] // k
-            draft_ids, probs = sample_drafts(
-                logits.view(batch_size, k, -1), "sample",
+            batch_size = logits.shape[0] // width
+            block_ids, block_probs = sample_drafts(
+                logits.view(batch_size, width, -1), "sample",
                 temperature=sampling_metadata.temperature, top_k=sampling_metadata.top_k,
                 top_p=sampling_metadata.top_p, min_p=min_p_per_request(sampling_metadata, batch_size),
                 generators=self._seeded_draft_generators(sampling_metadata, batch_size))
-            self._last_draft_probs = probs
-            return draft_ids.view(-1)
+            self._last_draft_probs = block_probs
+            draft_ids, probs = block_ids.view(-1), block_probs.view(batch_size * width, -1)
+            if conf is not None:
+                sampled = ~sampling_params.greedy_mask(sampling_metadata.temperature, probs.shape[0] // width,
+                                                       probs.device).repeat_interleave(width)
+                conf = sampled_confidence(conf, probs, draft_ids, sampled)
+            return draft_ids, conf
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             # CPU argmax over bf16/fp16 is several times slower than converting first
             # (the conversion is exact, so the result and its tie-breaking are the same).
             logits = logits.float()
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), conf
 
     def _seeded_draft_generators(self, sampling_metadata: SamplingMetadata, batch_size: int) -> dict:
         """{row: generator} for sampled drafts: a seeded request draws its drafts from
@@ -239,7 +384,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         reproducible. Rows whose sample is discarded this step (partial prefills)
         draw from the global RNG: vLLM rewinds only the sampler's draw there."""
         generators = sampling_metadata.generators
-        if not generators or self._runner is None:
+        if not generators or self.runner is None:
             return generators
-        discarded = self._runner.discard_request_mask.np[:batch_size]
+        discarded = self.runner.discard_request_mask.np[:batch_size]
         return {i: g for i, g in generators.items() if i < batch_size and not discarded[i]}

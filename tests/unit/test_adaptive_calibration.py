@@ -1,0 +1,172 @@
+"""Acceptance calibration recovers known acceptance curves from censored outcomes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, AcceptanceModel, SurvivalPrior
+
+K = 8
+
+
+def true_conditional(feature: np.ndarray, kind: int) -> np.ndarray:
+    """A known curve: rises with confidence, falls with position; sampled requests accept less."""
+    pos = np.arange(feature.shape[-1])
+    p = 0.05 + 0.9 * feature * (0.97 ** pos)
+    return p * (0.6 if kind == SAMPLED else 1.0)
+
+
+def simulate(rng, n: int, kind: int, censor: bool = True):
+    """n drafts of K positions; a random verified length per draft (censoring);
+    prefix acceptance drawn position by position from the true curve."""
+    feature = rng.random((n, K))
+    p = true_conditional(feature, kind)
+    ok = rng.random((n, K)) < p
+    first_fail = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))  # positions accepted before a rejection
+    verified = rng.integers(1, K + 1, size=n) if censor else np.full(n, K)
+    accepted = np.minimum(first_fail, verified)
+    return feature, verified, accepted
+
+
+def cell_error(model: AcceptanceModel, kind: int, min_cells: int = 32) -> float:
+    """Largest |estimate - truth| over (bin centre, position) cells with >= 200
+    observations (at least `min_cells` of them: deep positions are rarely reached)."""
+    centres = (np.arange(model.num_bins) + 0.5) / model.num_bins
+    feature = np.repeat(centres[:, None], K, axis=1)
+    est = model.conditional(np.full(model.num_bins, kind), feature, feature)
+    truth = true_conditional(feature, kind)
+    enough = model.observed[kind] >= 200
+    assert enough.sum() >= min_cells, f"only {enough.sum()} cells populated"
+    return float(np.abs(est - truth)[enough].max())
+
+
+def test_recovers_known_curve_from_censored_outcomes():
+    """60,000 drafts of 8 positions, each verified to a random length (censored
+    beyond it). Every cell with >= 200 observations is within 0.09 of the true
+    conditional acceptance (binomial sd at n=200 is <= 0.035; bin width adds
+    <= 0.028), and the pooled-over-cells error is below 0.02."""
+    rng = np.random.default_rng(0)
+    model = AcceptanceModel(K, memory=1e9)
+    for _ in range(60):
+        f, n, a = simulate(rng, 1000, GREEDY)
+        model.update(np.full(len(n), GREEDY), f, n, a)
+    assert cell_error(model, GREEDY) < 0.09
+    f, n, a = simulate(np.random.default_rng(1), 20000, GREEDY, censor=False)
+    est = model.conditional(np.full(len(n), GREEDY), f, f)
+    truth = true_conditional(f, GREEDY)
+    assert abs(est.mean() - truth.mean()) < 0.02
+
+
+def test_censored_positions_are_not_counted_as_rejections():
+    """Power check: an update that counts every unverified position as rejected
+    (the bug censoring avoids) misses the truth by far more than the tolerance."""
+    rng = np.random.default_rng(2)
+    model = AcceptanceModel(K, memory=1e9)
+    biased = AcceptanceModel(K, memory=1e9)
+    for _ in range(60):
+        f, n, a = simulate(rng, 1000, GREEDY)
+        model.update(np.full(len(n), GREEDY), f, n, a)
+        # Wrong: treat the draft as verified in full, so censored positions look rejected.
+        biased.update(np.full(len(n), GREEDY), f, np.full(len(n), K), a)
+    assert cell_error(model, GREEDY) < 0.09
+    assert cell_error(biased, GREEDY) > 0.12
+
+
+def test_greedy_and_sampled_have_separate_tables():
+    rng = np.random.default_rng(3)
+    model = AcceptanceModel(K, memory=1e9)
+    for kind in (GREEDY, SAMPLED):
+        for _ in range(40):
+            f, n, a = simulate(rng, 1000, kind)
+            model.update(np.full(len(n), kind), f, n, a)
+    assert cell_error(model, GREEDY) < 0.09
+    assert cell_error(model, SAMPLED, min_cells=16) < 0.09
+
+
+def test_survival_is_calibrated_per_position():
+    """Mean predicted survival per position vs the realised acceptance of fully
+    verified fresh drafts (20,000): within 0.02 at every position."""
+    rng = np.random.default_rng(4)
+    model = AcceptanceModel(K, memory=1e9)
+    for _ in range(40):
+        f, n, a = simulate(rng, 1000, GREEDY)
+        model.update(np.full(len(n), GREEDY), f, n, a)
+    f, n, a = simulate(rng, 20000, GREEDY, censor=False)
+    survival = np.cumprod(model.conditional(np.full(len(n), GREEDY), f, f), axis=1)
+    realised = (np.arange(K)[None, :] < a[:, None]).mean(axis=0)
+    assert np.abs(survival.mean(axis=0) - realised).max() < 0.02
+
+
+def test_prior_is_the_confidence_until_data_arrives():
+    model = AcceptanceModel(K)
+    f = np.array([[0.1, 0.5, 0.93]])
+    np.testing.assert_allclose(model.conditional(np.array([GREEDY]), f, f), f)
+    np.testing.assert_allclose(model.conditional(np.array([GREEDY]), f, f * 0.5), f * 0.5)
+
+
+def test_forgetting_follows_a_changed_workload():
+    """After the true acceptance halves, 3 memories of observations bring every
+    populated cell back within tolerance of the new curve."""
+    rng = np.random.default_rng(5)
+    model = AcceptanceModel(K, memory=5000)
+    for _ in range(20):
+        f, n, a = simulate(rng, 1000, GREEDY)
+        model.update(np.full(len(n), GREEDY), f, n, a)
+    # The workload changes: sampled-like acceptance, fed as greedy.
+    seen = 0
+    while seen < 3 * 5000 * 4:
+        f, n, a = simulate(rng, 1000, SAMPLED)
+        seen += model.update(np.full(len(n), GREEDY), f, n, a)
+    centres = (np.arange(model.num_bins) + 0.5) / model.num_bins
+    feature = np.repeat(centres[:, None], K, axis=1)
+    est = model.conditional(np.full(model.num_bins, GREEDY), feature, feature)
+    enough = model.observed[GREEDY] >= 100
+    assert np.abs(est - true_conditional(feature, SAMPLED))[enough].max() < 0.15
+
+
+def test_update_rejects_impossible_outcomes():
+    model = AcceptanceModel(K)
+    with pytest.raises(ValueError, match="accepted <= verified"):
+        model.update(np.array([GREEDY]), np.zeros((1, 4)), np.array([2]), np.array([3]))
+    with pytest.raises(ValueError, match="drafts of 9 positions"):
+        model.conditional(np.array([GREEDY]), np.zeros((1, 9)), np.zeros((1, 9)))
+
+
+def test_survival_prior_per_request_and_mean():
+    prior = SurvivalPrior(4)
+    np.testing.assert_allclose(prior.mean(GREEDY), 0.5 ** np.arange(1, 5))  # nothing known: coin flips
+    prior.record(["a", "b"], np.array([GREEDY, GREEDY]), np.array([[0.9, 0.8], [0.5, 0.2]]))
+    mean = prior.mean(GREEDY)
+    np.testing.assert_allclose(mean[:2], [0.7, 0.5])
+    assert np.all(np.diff(mean) <= 0) and mean[3] > 0  # extended, non-increasing
+    rows = prior.rows(["b", "c"], np.array([GREEDY, GREEDY]))
+    np.testing.assert_allclose(rows[0, :2], [0.5, 0.2])  # b's own last row
+    np.testing.assert_allclose(rows[1], mean)  # c: no history
+    assert np.all(rows[0, 2:] <= 0.2)
+    for _ in range(8):  # b's row fades into the mean while b drafts nothing (exp(-8/4) left)
+        prior.forget(["a", "b"])
+    np.testing.assert_allclose(prior.rows(["b"], np.array([GREEDY]))[0, 0], 0.5 * np.exp(-2) + 0.7 * (1 - np.exp(-2)))
+    prior.forget(["c"])
+    assert prior.rows(["b"], np.array([GREEDY]))[0, 0] == pytest.approx(mean[0])
+
+
+def test_request_offsets_follow_each_requests_own_acceptance():
+    """The shared model says 0.6 everywhere; one request accepts 85% of the time, another
+    30%. After 60 steps of 6 observed positions each, each request's shifted prediction
+    is within 0.1 of its own rate (decay 0.95: about the last 20 steps count, ~120
+    observations, binomial sd <= 0.046, plus the shrinkage of 4 pseudo-observations);
+    a request without outcomes keeps the shared 0.6."""
+    from vllm_dflash.adaptive.calibration import RequestOffsets
+
+    rng = np.random.default_rng(8)
+    offsets = RequestOffsets()
+    shared = np.full((2, 6), 0.6)
+    rates = np.array([0.85, 0.30])
+    for _ in range(60):
+        accepted = rng.random((2, 6)) < rates[:, None]
+        offsets.update(["easy", "hard"], shared, np.ones((2, 6), dtype=bool), accepted)
+    p = offsets.apply(["easy", "hard", "new"], np.full((3, 2), 0.6))
+    assert abs(p[0, 0] - 0.85) < 0.1 and abs(p[1, 0] - 0.30) < 0.1 and p[2, 0] == pytest.approx(0.6), p
+    offsets.forget(["hard"])
+    assert offsets.apply(["easy"], np.full((1, 1), 0.6))[0, 0] == pytest.approx(0.6)

@@ -1,0 +1,80 @@
+"""Step-to-step bookkeeping: outcomes matched by request id, step-time samples, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_dflash.adaptive.controller import FORCED
+from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
+
+K = 4
+
+
+def step(spec, now, req_ids, verified, accepted, num_tokens, q_feature=0.9, eligible=None):
+    n = len(req_ids)
+    plan = spec.begin(now, req_ids, np.array(verified), np.array(accepted), num_tokens,
+                      np.ones(n, dtype=bool), np.ones(n, dtype=bool) if eligible is None else np.array(eligible))
+    feature = np.full((n, plan.q), q_feature)
+    budgets = spec.choose(now + 0.001, feature, feature)
+    spec.end(now + 0.002)
+    return plan, budgets
+
+
+def test_outcomes_are_matched_by_request_id_and_censored():
+    spec = AdaptiveSpeculation(K, 8, schedule="pause:100:101")  # full blocks: every budget is K
+    _, budgets = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 10)
+    assert budgets.tolist() == [K, K]
+    # Next step: rows swapped; a got 1 of 4 accepted, b all 4.
+    step(spec, 1.0, ["b", "a"], [4, 4], [4, 1], 10)
+    s = spec.stats.snapshot()
+    assert s["verified_per_pos"] == [2, 2, 2, 2]
+    assert s["accepted_per_pos"] == [2, 1, 1, 1]
+    spec.learn()  # the models learn in batches (every learn_every steps); the counters above at once
+    obs = spec.acceptance.observed.sum(axis=(0, 1))
+    assert obs.tolist() == [2, 2, 1, 1]  # a: positions 1-2 observed (1 accepted, 2 rejected), 3-4 censored
+    # A request the scheduler gave fewer drafts than budgeted is observed over what was verified.
+    step(spec, 2.0, ["a", "b"], [2, 0], [2, 0], 4)
+    assert spec.stats.snapshot()["verified_per_pos"] == [3, 3, 2, 2]
+
+
+def test_unknown_or_inconsistent_outcomes_are_ignored():
+    spec = AdaptiveSpeculation(K, 8, schedule="pause:100:101")
+    step(spec, 0.0, ["a"], [0], [0], 1)
+    step(spec, 1.0, ["a", "new"], [K, 3], [0, 3], 9)  # "new" had no drafts from us
+    assert spec.stats.snapshot()["verified_per_pos"] == [1, 1, 1, 1]
+    step(spec, 2.0, ["a"], [K + 2], [0], 7)  # more verified than handed out: not ours
+    assert spec.stats.snapshot()["verified_per_pos"] == [1, 1, 1, 1]
+
+
+def test_step_time_is_sampled_only_on_steady_decode_steps():
+    spec = AdaptiveSpeculation(K, 8, schedule="jump")
+    step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 40)  # prefill: no previous call
+    assert spec.controller.step_cost.observations == 0
+    step(spec, 1.0, ["a", "b"], [0, 0], [0, 0], 2)  # steady decode
+    assert spec.controller.step_cost.observations == 1
+    assert spec.controller.step_cost.predict(2, [1.0])[0] == np.float64(1.0 - 0.002)
+    step(spec, 2.0, ["a", "b", "c"], [0, 0, 0], [0, 0, 0], 12)  # c joined: idle gap + prompt inside
+    step(spec, 3.0, ["a", "b"], [0, 0], [0, 0], 7)  # tokens != requests + verified: a chunk inside
+    assert spec.controller.step_cost.observations == 1
+    assert spec.controller.draft_cost.observations == 4
+
+
+def test_forced_jump_schedule_records_stats():
+    spec = AdaptiveSpeculation(K, 8, schedule="jump", seed=1)
+    qs = []
+    for i in range(12):
+        plan, budgets = step(spec, float(i), ["a", "b", "c"], [0, 0, 0], [0, 0, 0], 3)
+        assert plan.reason == FORCED and np.all(budgets <= plan.q)
+        qs.append(plan.q)
+    s = spec.stats.snapshot()
+    assert s["steps"]["forced"] == 12
+    assert s["query_hist"][0] == qs.count(0) and s["query_hist"][K] == qs.count(K)
+    assert sum(s["budget_hist"]) == 36
+
+
+def test_partial_prefill_rows_get_nothing_and_all_ineligible_means_no_draft():
+    spec = AdaptiveSpeculation(K, 8, schedule="pause:100:101")
+    plan, budgets = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 50, eligible=[True, False])
+    assert plan.q == K and budgets.tolist() == [K, 0]
+    plan, budgets = step(spec, 1.0, ["b"], [0], [0], 50, eligible=[False])
+    assert plan.q == 0 and budgets.tolist() == [0]

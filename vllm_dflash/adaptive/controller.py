@@ -1,0 +1,257 @@
+"""How much to draft and verify this step: the decision, on synthetic or measured inputs.
+
+The objective is output tokens per second of the whole step cycle. A cycle
+is this step's drafting (D, already paid when budgets are chosen) plus the
+next step outside drafting, E(R, R + B), which verifies B draft positions
+for R requests and yields R bonus tokens plus the accepted drafts:
+
+    value(B) = (R + sum of the B highest survival scores) / (E(R, R + B) + D)
+
+Two decisions per step:
+
+1. `plan` (before drafting): the query length q in 0..k from the expected
+   survival of each request (`calibration.SurvivalPrior`) and the predicted
+   draft time D(R, q + 1): q = argmax_q max_B value. q = 0 drafts nothing.
+2. `budgets` (after drafting): from the posterior survival S [R, q] of the
+   actual drafts, rank every (request, position) pair, take the best B, and
+   give request i the b_i in [0, q] of its positions among them (S falls
+   along a draft, so the chosen positions form a prefix of each draft).
+
+Estimates only stay right if their inputs cover the whole range: the first
+`warmup_steps` decisions (then `knot_warmup_steps` at each further batch
+size the cost model keeps a knot for; the curves of the nearest measured
+sizes stand in meanwhile) draft randomised q (full blocks half the time)
+with randomised per-request budgets, and later a step
+explores (a longer q, random extra positions or full blocks for some
+requests) with a probability capped so that, even if exploring meant full
+blocks verified for everyone, it costs at most `explore_time_share` of the
+predicted time. Decisions are deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
+from vllm_dflash.adaptive.cost_model import StepCost
+
+OPTIMAL, WARMUP, EXPLORE, FORCED = "optimal", "warmup", "explore", "forced"
+
+
+@dataclass
+class Plan:
+    q: int
+    reason: str
+
+
+def best_budget(survival: np.ndarray, requests: int, step_seconds: np.ndarray) -> tuple[int, np.ndarray, float]:
+    """(B*, order, value): the B maximising (requests + top-B survival) / step_seconds[B].
+
+    `survival` [R, q] (any R, q); `step_seconds` [R * q + 1] is the predicted
+    cycle time for every B. `order` ranks the flattened pairs, best first
+    (position order within a request on ties).
+    """
+    flat = survival.reshape(-1)
+    order = np.argsort(-flat, kind="stable")
+    gains = np.concatenate([[0.0], np.cumsum(flat[order])])
+    value = (requests + gains) / step_seconds
+    b = int(np.argmax(value))
+    return b, order, float(value[b])
+
+
+def budgets_from_order(order: np.ndarray, chosen: int, rows: int, width: int) -> np.ndarray:
+    """Per-request budgets b_i of the first `chosen` pairs of `order`."""
+    if width == 0 or chosen == 0:
+        return np.zeros(rows, dtype=np.int64)
+    return np.bincount(order[:chosen] // width, minlength=rows).astype(np.int64)
+
+
+class BudgetController:
+    """The per-step decisions of adaptive speculation; see the module docstring."""
+
+    def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
+                 explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
+                 per_request_prior: bool = True, refresh_steps: int = 16):
+        if max_k < 1:
+            raise ValueError(f"max_k={max_k} must be >= 1")
+        self.max_k = max_k
+        self.acceptance = AcceptanceModel(max_k)
+        self.prior = SurvivalPrior(max_k)
+        self.step_cost = StepCost(max_k + 1, max_requests)
+        self.draft_cost = StepCost(max_k + 1, max_requests)
+        self.rng = np.random.default_rng(seed)
+        self.warmup_steps = warmup_steps
+        self.knot_warmup_steps = knot_warmup_steps
+        self.explore_time_share = explore_time_share
+        self.max_explore_probability = max_explore_probability
+        self.per_request_prior = per_request_prior
+        self.refresh_steps = refresh_steps
+        self._warmup_done: dict[int, int] = {}
+        self._warmup_total = 0
+        self._knots = self.step_cost.r_knots.tolist()
+        self._decisions = 0
+        # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds).
+        self._cache: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------- planning --
+
+    def _warmup_key(self, requests: int) -> int:
+        """Warm-up is counted per batch-size knot of the cost model (the nearest one)."""
+        knots = self._knots
+        i = bisect.bisect_left(knots, requests)
+        if i == len(knots) or (i > 0 and requests - knots[i - 1] < knots[i] - requests):
+            i -= 1
+        return i
+
+    def in_warmup(self, requests: int) -> bool:
+        if not (self.step_cost.ready and self.draft_cost.ready):
+            return True
+        done = self._warmup_done.get(self._warmup_key(requests), 0)
+        first = self._warmup_total - done < self.warmup_steps  # no other size warmed up yet
+        return done < (self.warmup_steps if first else self.knot_warmup_steps)
+
+    def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
+        """Query length q for the R = len(req_ids) requests of this step."""
+        requests = len(req_ids)
+        if requests == 0:
+            return Plan(0, OPTIMAL)
+        if self.in_warmup(requests):
+            key = self._warmup_key(requests)
+            self._warmup_done[key] = self._warmup_done.get(key, 0) + 1
+            self._warmup_total += 1
+            q = self.max_k if self.rng.random() < 0.5 else int(self.rng.integers(0, self.max_k + 1))
+            return Plan(q, WARMUP)
+        step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)
+        plan = Plan(q, OPTIMAL)
+        explore = min(self.max_explore_probability,
+                      self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
+        if q < self.max_k and self.rng.random() < explore:
+            plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
+        return plan
+
+    def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
+        """The cost curves at this batch size and the planned q, recomputed every
+        `refresh_steps` decisions (costs and acceptance drift slowly; replanning
+        every step would cost more than it changes)."""
+        requests = len(req_ids)
+        self._decisions += 1
+        entry = self._cache.get(requests)
+        if entry is None or self._decisions - entry[0] >= self.refresh_steps:
+            k = self.max_k
+            step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
+            draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
+            prior = self.prior.rows(req_ids, kinds, self.per_request_prior)
+            values, seconds, full = self.plan_values(prior, requests, step, draft)
+            q = int(np.argmax(values))
+            entry = (self._decisions, step, draft, q, float(seconds[q]), full)
+            self._cache[requests] = entry
+        return entry[1:]
+
+    def plan_values(self, prior: np.ndarray, requests: int, step: np.ndarray | None = None,
+                    draft: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """From prior survival [R, k]: expected tokens per second of drafting
+        q = 0..k (at each q's best B), the predicted cycle seconds there, and
+        the seconds of the costliest cycle (full blocks, all verified), which
+        bounds what an exploring step can cost.
+
+        One sort serves every q: survival falls along a draft, so the best B
+        pairs among positions < q are the sorted pairs with position < q."""
+        k = self.max_k
+        if step is None:
+            step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
+        if draft is None:
+            draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
+        flat = prior[:, :k].reshape(-1)
+        order = np.argsort(-flat, kind="stable")
+        position = (order % k)[None, :]
+        inside = position < np.arange(k + 1)[:, None]  # [q, pair]
+        gains = np.cumsum(np.where(inside, flat[order][None, :], 0.0), axis=1)
+        count = np.cumsum(inside, axis=1)
+        value = (requests + gains) / (step[count] + draft[:, None])
+        value0 = requests / (step[0] + draft)  # B = 0
+        best = np.argmax(value, axis=1)
+        rows = np.arange(k + 1)
+        best_value = value[rows, best]
+        use0 = value0 >= best_value
+        values = np.where(use0, value0, best_value)
+        seconds = np.where(use0, step[0], step[count[rows, best]]) + draft
+        return values, seconds, float(step[-1] + draft[-1])
+
+    # -------------------------------------------------------------- budgets --
+
+    def budgets(self, plan: Plan, survival: np.ndarray, draft_seconds: float,
+                eligible: np.ndarray | None = None) -> np.ndarray:
+        """[R] verify lengths in [0, q] from posterior survival [R, q]; rows not
+        `eligible` (partial prefills: their drafts are discarded) get 0."""
+        rows, width = survival.shape
+        if width == 0 or rows == 0:
+            return np.zeros(rows, dtype=np.int64)
+        if eligible is None:
+            eligible = np.ones(rows, dtype=bool)
+        if plan.reason == WARMUP:
+            full = self.rng.random(rows) < 0.5
+            out = np.where(full, width, self.rng.integers(0, width + 1, size=rows))
+            return np.where(eligible, out, 0).astype(np.int64)
+        live = int(eligible.sum())
+        if live == 0:
+            return np.zeros(rows, dtype=np.int64)
+        entry = self._cache.get(live)
+        if entry is not None and self._decisions - entry[0] < self.refresh_steps:
+            step = entry[1][: live * width + 1]
+        else:
+            step = self.step_cost.predict(live, 1.0 + np.arange(live * width + 1) / live)
+        rows_live = survival if live == rows else survival[eligible]
+        chosen, order, _ = best_budget(rows_live, live, step + draft_seconds)
+        out = np.zeros(rows, dtype=np.int64)
+        out[eligible] = budgets_from_order(order, chosen, live, width)
+        if plan.reason == EXPLORE:
+            # Random extra positions (full blocks for some) keep E(R, t) and the
+            # deep positions' calibration measured.
+            pick = eligible & (self.rng.random(rows) < 0.5)
+            if not pick.any():
+                pick[np.flatnonzero(eligible)[self.rng.integers(0, live)]] = True
+            extra = np.where(self.rng.random(rows) < 0.5, width, self.rng.integers(0, width + 1, size=rows))
+            out = np.where(pick, np.maximum(out, extra), out)
+        return out
+
+
+class ForcedSchedule:
+    """Test hook (VLLM_DFLASH_ADAPTIVE_SCHEDULE): budgets decided by a seeded
+    random schedule instead of by cost. `kind`:
+
+    * "jump": each step q is 0 (no draft forward) or k, and the requests of a
+      step get different budgets among 0, k and values in between;
+    * "pause:A:B": full blocks, except no drafting in steps A..B-1.
+    """
+
+    def __init__(self, spec: str, max_k: int, seed: int = 0):
+        parts = spec.split(":")
+        self.kind = parts[0]
+        if self.kind == "jump" and len(parts) == 1:
+            self.pause = None
+        elif self.kind == "pause" and len(parts) == 3 and all(p.isdigit() for p in parts[1:]):
+            self.pause = (int(parts[1]), int(parts[2]))
+        else:
+            raise ValueError(f"adaptive schedule {spec!r}: use 'jump' or 'pause:FIRST:END' (step numbers)")
+        self.max_k = max_k
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+
+    def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
+        self.step += 1
+        if self.pause is not None:
+            first, end = self.pause
+            return Plan(0 if first <= self.step - 1 < end else self.max_k, FORCED)
+        return Plan(self.max_k if self.step % 3 else 0, FORCED)
+
+    def budgets(self, plan: Plan, survival: np.ndarray, draft_seconds: float,
+                eligible: np.ndarray | None = None) -> np.ndarray:
+        rows, width = survival.shape
+        if self.pause is not None or width == 0:
+            return np.full(rows, width, dtype=np.int64)
+        choice = self.rng.integers(0, 3, size=rows)
+        out = np.where(choice == 0, 0, np.where(choice == 1, width, self.rng.integers(1, width + 1, size=rows)))
+        return out.astype(np.int64)

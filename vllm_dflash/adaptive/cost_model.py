@@ -1,0 +1,203 @@
+"""Seconds of one part of an engine step, measured on the running machine.
+
+`StepCost` learns a time as a function of the number of requests R in the
+batch and the tokens per request t, online, from nothing: no per-machine
+constants, no batch-size tables. The proposer keeps two:
+
+* the step outside drafting, E(R, t): target forward, logits, verification,
+  runner and scheduler overhead, with t = scheduled tokens / R (1 = no
+  drafts, k + 1 = full blocks);
+* drafting, D(R, t): context-KV write plus the query-block forward and its
+  logits, with t = q + 1 (the block [bonus, MASK x q]; q = 0 is the context
+  write alone).
+
+Storage: a grid of R knots (geometric) x t knots (1 .. t_max). An
+observation is spread over the four surrounding knots (bilinear weights in
+R and t); each knot keeps an exponentially forgetting weighted mean
+(`memory` observations), and an observation far from its knot's estimate is
+clipped to a factor `clip` of it (idle gaps, a stalled process). A
+prediction smooths each R row over t (local straight-line fits, so a knot
+measured a few times leans on well-measured neighbours), fits it
+non-decreasing in t (weighted pool-adjacent-violators), interpolates linearly between knots that hold data,
+extrapolates outside them through the origin (t / t0 scaling: a cost that
+grows with the tokens computed, pessimistic for longer blocks until they are
+measured), and interpolates linearly in R between the nearest rows that hold
+data (below the smallest: that row; above the largest: scaled by R).
+Nothing is predicted before the first observation (`ready`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+
+def request_knots(max_requests: int) -> np.ndarray:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to at least max_requests."""
+    knots = [1]
+    while knots[-1] < max_requests:
+        last = knots[-1]
+        knots.append(last + 1 if last < 4 else (last * 3 // 2 if (last & (last - 1)) == 0 else last * 4 // 3))
+    return np.array(knots, dtype=np.float64)
+
+
+def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) -> np.ndarray:
+    """Each y smoothed by a weighted straight-line fit over its neighbours (tricube
+    kernel, `bandwidth` in x units, widened 1.5x at a time where the neighbours hold
+    less than 4 observations' worth of weight): a knot measured a few times leans on
+    the well-measured ones around it. Vectorised over knots and bandwidths."""
+    span = float(x[-1] - x[0]) + 1.0
+    widths = [bandwidth]
+    while widths[-1] <= span:
+        widths.append(widths[-1] * 1.5)
+    h = np.array(widths)[:, None, None]  # [H, 1, 1]
+    d = np.abs(x[:, None] - x[None, :])[None] / h  # [H, i, j]
+    k = w[None, None, :] * np.clip(1 - d**3, 0, None) ** 3
+    enough = min(4.0, 0.5 * float(w.sum()))
+    total = k.sum(axis=2)  # [H, i]
+    pick = np.argmax(total >= enough - 1e-12, axis=0)  # the narrowest bandwidth that suffices
+    pick = np.where((total >= enough - 1e-12).any(axis=0), pick, len(widths) - 1)
+    k = k[pick, np.arange(len(x))]  # [i, j]
+    sw = k.sum(axis=1)
+    mx, my = (k @ x) / sw, (k @ y) / sw
+    dx = x[None, :] - mx[:, None]
+    var = (k * dx**2).sum(axis=1)
+    cov = (k * dx * (y[None, :] - my[:, None])).sum(axis=1)
+    slope = np.where(var > 1e-12, cov / np.where(var > 1e-12, var, 1.0), 0.0)
+    return my + slope * (x - mx)
+
+
+def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit of `values`."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values.tolist(), weights.tolist()):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return np.concatenate([np.full(c, v) for v, _, c in blocks])
+
+
+class StepCost:
+    """Online cost surface seconds(R, t); see the module docstring."""
+
+    def __init__(self, max_tokens_per_request: int, max_requests: int, memory: float = 200.0,
+                 clip: float = 3.0, min_weight: float = 0.5, bandwidth: float = 3.0):
+        if max_tokens_per_request < 1 or max_requests < 1:
+            raise ValueError("max_tokens_per_request and max_requests must be >= 1")
+        self.r_knots = request_knots(max_requests)
+        self._r_list = self.r_knots.tolist()
+        self.t_knots = np.arange(1, max_tokens_per_request + 1, dtype=np.float64)
+        shape = (len(self.r_knots), len(self.t_knots))
+        self.weight = np.zeros(shape)
+        self.mean = np.zeros(shape)
+        self.memory, self.clip, self.min_weight = float(memory), float(clip), float(min_weight)
+        self.bandwidth = float(bandwidth)
+        self.observations = 0
+        self._queued: list[tuple[int, float, float]] = []
+        self._rows: dict[int, np.ndarray | None] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.observations > 0
+
+    def _r_corners(self, requests: float) -> list[tuple[int, float]]:
+        x = min(max(requests, 1.0), self.r_knots[-1])
+        hi = min(bisect.bisect_left(self._r_list, x), len(self.r_knots) - 1)
+        if hi == 0 or self.r_knots[hi] == x:
+            return [(hi, 1.0)]
+        lo = hi - 1
+        f = (x - self.r_knots[lo]) / (self.r_knots[hi] - self.r_knots[lo])
+        return [(lo, 1.0 - f), (hi, f)]
+
+    def _t_corners(self, tokens: float) -> list[tuple[int, float]]:
+        t = min(max(tokens, 1.0), self.t_knots[-1])
+        lo = int(math.floor(t)) - 1
+        f = t - (lo + 1)
+        if f <= 0 or lo + 1 >= len(self.t_knots):
+            return [(lo, 1.0)]
+        return [(lo, 1.0 - f), (lo + 1, f)]
+
+    def observe(self, requests: int, tokens_per_request: float, seconds: float) -> None:
+        """Queue one measurement; it is folded in before the next prediction (a step
+        observes every time but predicts rarely, so the knot arithmetic is batched)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or requests < 1:
+            return
+        self._queued.append((requests, tokens_per_request, seconds))
+        self.observations += 1
+
+    def _fold_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        for sample in queued:
+            self._fold(*sample)
+
+    def _fold(self, requests: int, tokens_per_request: float, seconds: float) -> None:
+        for r, wr in self._r_corners(requests):
+            for t, wt in self._t_corners(tokens_per_request):
+                w = wr * wt
+                if w <= 0:
+                    continue
+                old_w, old = self.weight[r, t], self.mean[r, t]
+                x = seconds
+                if old_w >= 1.0:  # enough evidence here to call a far-off value an outlier
+                    x = min(max(x, old / self.clip), old * self.clip)
+                keep = max(1.0 - w / self.memory, 0.0)
+                new_w = old_w * keep + w
+                self.mean[r, t] = (old * old_w * keep + x * w) / new_w
+                self.weight[r, t] = new_w
+            self._rows.pop(r, None)
+
+    def _row(self, r: int) -> np.ndarray | None:
+        """[T] fitted curve of row r over the t knots, None without data."""
+        if r in self._rows:
+            return self._rows[r]
+        w = self.weight[r]
+        known = w >= self.min_weight
+        curve = None
+        if known.any():
+            ts = self.t_knots[known]
+            fit = pool_adjacent_violators(local_linear(ts, self.mean[r][known], w[known], self.bandwidth), w[known])
+            curve = np.interp(self.t_knots, ts, fit)  # once per row and observation, not per prediction
+            below, above = self.t_knots < ts[0], self.t_knots > ts[-1]
+            curve[below] = fit[0] * self.t_knots[below] / ts[0]
+            if len(ts) >= 2 and ts[-1] > ts[-2]:
+                slope = max((fit[-1] - fit[-2]) / (ts[-1] - ts[-2]), fit[-1] / ts[-1])
+            else:
+                slope = fit[-1] / ts[-1]
+            curve[above] = fit[-1] + slope * (self.t_knots[above] - ts[-1])
+        self._rows[r] = curve
+        return curve
+
+    def predict(self, requests: int, tokens_per_request) -> np.ndarray:
+        """Seconds for `requests` requests at each tokens-per-request value (array)."""
+        if not self.ready:
+            raise RuntimeError("StepCost.predict before any observation; check .ready")
+        if self._queued:
+            self._fold_queued()
+        t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
+        rows = [r for r in range(len(self.r_knots)) if self._row(r) is not None]
+        x = float(max(requests, 1))
+        below = [r for r in rows if self.r_knots[r] <= x]
+        above = [r for r in rows if self.r_knots[r] >= x]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            f = 0.0 if hi == lo else (x - self.r_knots[lo]) / (self.r_knots[hi] - self.r_knots[lo])
+            return (1.0 - f) * self._curve_at(lo, t) + f * self._curve_at(hi, t)
+        if above:  # fewer requests than ever measured: no cheaper than the smallest batch
+            return self._curve_at(above[0], t)
+        return self._curve_at(below[-1], t) * (x / self.r_knots[below[-1]])  # more: scaled by R
+
+    def _curve_at(self, r: int, t: np.ndarray) -> np.ndarray:
+        """Row r's curve at t >= 1 (knots are 1, 2, ...): linear between knots,
+        the last segment's slope past the last one."""
+        curve = self._row(r)
+        last = len(curve) - 1
+        idx = np.minimum(t.astype(np.int64) - 1, max(last - 1, 0))
+        if last == 0:
+            return curve[0] * t
+        frac = t - (idx + 1)
+        slope = curve[idx + 1] - curve[idx]
+        return curve[idx] + frac * slope

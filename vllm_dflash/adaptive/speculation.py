@@ -1,0 +1,188 @@
+"""Adaptive speculation, step by step: the proposer's one entry point.
+
+Per propose() call (one engine step):
+
+1. `begin(now, ...)`: the verification outcomes of the drafts handed out at
+   the previous step arrive (per request id: positions verified, accepted)
+   and go to the statistics, and (batched, `learn`) to the shared acceptance
+   model and each request's own shift of it (`calibration.RequestOffsets`); the wall time since
+   the previous call ended is the step outside drafting, E(R, tokens), kept
+   only for steady decode steps (the same requests, no prefill, so no idle
+   gap or prompt is in it); then the controller plans q.
+2. the proposer writes the context KV (always) and drafts q positions.
+3. `choose(now, feature, prior)`: posterior survival of the drafts, per
+   request budgets, remembered (by request id) for step 1 of the next call.
+4. `end(now)`: the draft time D(R, q + 1) of this call.
+
+Matching is by request id (rows move between steps); a request whose
+outcome is missing (finished, preempted, its drafts trimmed by the
+scheduler beyond what it was given) is simply not observed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets
+from vllm_dflash.adaptive.controller import BudgetController, ForcedSchedule, Plan
+from vllm_dflash.adaptive.stats import AdaptiveStats
+
+
+@dataclass
+class _Handed:
+    """What a step handed out, kept until the next step reports its outcome."""
+
+    row_of: dict[str, int]  # request id -> row
+    kinds: np.ndarray  # [R]
+    feature: np.ndarray  # [R, q] confidence feature of the drafts
+    shared: np.ndarray  # [R, q] the shared model's conditional acceptance (before each request's shift)
+    survival: np.ndarray  # [R, q] predicted survival (with the shift): what the decision used
+    budgets: np.ndarray  # [R]
+
+
+@dataclass
+class StepState:
+    t0: float
+    req_ids: list[str]
+    kinds: np.ndarray
+    eligible: np.ndarray
+    plan: Plan
+    budgets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def _stack_padded(arrays: list[np.ndarray], width: int) -> np.ndarray:
+    """Rows of 2-D arrays of different widths, zero-padded to `width` (np.pad is slow on small arrays)."""
+    out = np.zeros((sum(a.shape[0] for a in arrays), width))
+    row = 0
+    for a in arrays:
+        out[row:row + a.shape[0], :a.shape[1]] = a
+        row += a.shape[0]
+    return out
+
+
+class AdaptiveSpeculation:
+    """See the module docstring. Learning (the acceptance model, request shifts,
+    survival prior) is folded in every `learn_every` steps in one batch: the
+    models move slowly, and a step's own bookkeeping must stay cheap; the
+    statistics are counted every step."""
+
+    def __init__(self, max_k: int, max_requests: int, seed: int = 0, schedule: str | None = None,
+                 stats: AdaptiveStats | None = None, learn_every: int = 4, **controller_kwargs):
+        self.max_k = max_k
+        self.controller = BudgetController(max_k, max_requests, seed=seed, **controller_kwargs)
+        self.schedule = ForcedSchedule(schedule, max_k, seed) if schedule else None
+        self.stats = stats if stats is not None else AdaptiveStats(max_k)
+        self.offsets = RequestOffsets()
+        self.learn_every = learn_every
+        self._handed: _Handed | None = None
+        self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted), queued
+        self._drafted: list[tuple] = []  # (req_ids, kinds, survival), queued for the prior
+        self._steps_since_learning = 0
+        self._prev_req_ids: set[str] = set()
+        self._prev_end: float | None = None
+        self._step: StepState | None = None
+
+    @property
+    def acceptance(self):
+        return self.controller.acceptance
+
+    def begin(self, now: float, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray,
+              num_tokens: int, greedy: np.ndarray, eligible: np.ndarray) -> Plan:
+        """Outcomes of the last drafts, the step-time sample, and this step's plan."""
+        req_ids = list(req_ids)
+        num_verified = np.asarray(num_verified, dtype=np.int64)
+        num_accepted = np.asarray(num_accepted, dtype=np.int64)
+        self._observe(req_ids, num_verified, num_accepted)
+        self._steps_since_learning += 1
+        if self._steps_since_learning >= self.learn_every:
+            self.learn()
+        requests = len(req_ids)
+        steady = (self._prev_end is not None and requests > 0 and self._prev_req_ids.issuperset(req_ids)
+                  and num_tokens == requests + int(num_verified.sum()))
+        if steady:
+            self.controller.step_cost.observe(requests, num_tokens / requests, now - self._prev_end)
+        kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
+        eligible = np.asarray(eligible, dtype=bool)
+        planner = self.schedule or self.controller
+        plan = planner.plan(req_ids, kinds)
+        if not eligible.any():
+            plan = Plan(0, plan.reason)
+        self._step = StepState(now, req_ids, kinds, eligible, plan)
+        return plan
+
+    def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
+        """Match this step's verification outcomes to what the last step handed out, by request id."""
+        handed, self._handed = self._handed, None
+        if handed is None or not req_ids:
+            return
+        prev = np.fromiter((handed.row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        known = prev >= 0
+        ok = known & (num_verified > 0)
+        ok[known] &= num_verified[known] <= handed.budgets[prev[known]]  # trimmed drafts are fine, longer ones not ours
+        if not ok.any():
+            return
+        rows, verified, accepted = prev[ok], num_verified[ok], num_accepted[ok]
+        self.stats.record_outcomes(handed.survival[rows], verified, accepted)
+        self._outcomes.append(([r for r, good in zip(req_ids, ok) if good], handed.kinds[rows],
+                               handed.feature[rows], handed.shared[rows], verified, accepted))
+
+    def learn(self) -> None:
+        """Fold the queued outcomes and drafts into the models."""
+        self._steps_since_learning = 0
+        if self._outcomes:
+            queued, self._outcomes = self._outcomes, []
+            width = max(q[2].shape[1] for q in queued)
+            req_ids = [r for q in queued for r in q[0]]
+            kinds = np.concatenate([q[1] for q in queued])
+            feature, shared = _stack_padded([q[2] for q in queued], width), _stack_padded([q[3] for q in queued], width)
+            verified = np.concatenate([q[4] for q in queued])
+            accepted = np.concatenate([q[5] for q in queued])
+            self.controller.acceptance.update(kinds, feature, verified, accepted)
+            pos = np.arange(width)[None, :]
+            self.offsets.update(req_ids, shared, pos < np.minimum(accepted + 1, verified)[:, None],
+                                pos < accepted[:, None])
+        if self._drafted:
+            queued, self._drafted = self._drafted, []
+            for req_ids, kinds, survival in queued:
+                self.controller.prior.record(req_ids, kinds, survival)
+
+    def choose(self, now: float, feature: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """[R] budgets for drafts with confidence `feature` [R, q] (standing for
+        probabilities `prior`); D so far is now - begin's time."""
+        st = self._step
+        feature = np.asarray(feature, dtype=np.float64)
+        if feature.shape[1] == 0:  # nothing drafted this step
+            st.budgets = np.zeros(len(st.req_ids), dtype=np.int64)
+            return st.budgets
+        shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
+        survival = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
+        planner = self.schedule or self.controller
+        budgets = planner.budgets(st.plan, survival, now - st.t0, st.eligible)
+        budgets = np.where(st.eligible, np.minimum(budgets, feature.shape[1]), 0)
+        st.budgets = budgets
+        if st.eligible.all():
+            self._drafted.append((st.req_ids, st.kinds, survival))
+        else:
+            self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
+                                  survival[st.eligible]))
+        self._handed = _Handed({r: i for i, r in enumerate(st.req_ids)}, st.kinds, feature, shared, survival,
+                               budgets)
+        return budgets
+
+    def end(self, now: float) -> None:
+        """The call is over: D(R, q + 1) sample, statistics of the step."""
+        st = self._step
+        if st is None:
+            return
+        requests = len(st.req_ids)
+        if requests:
+            self.controller.draft_cost.observe(requests, st.plan.q + 1, now - st.t0)
+        self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
+                               np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
+        self.controller.prior.forget(st.req_ids)
+        self.offsets.forget(st.req_ids)
+        self._prev_req_ids = set(st.req_ids)
+        self._prev_end = now
+        self._step = None
