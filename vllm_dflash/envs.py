@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     VLLM_DFLASH_JIT_VERIFIER: bool
     VLLM_DFLASH_SKIP_NVCC: bool
     VLLM_DFLASH_ADAPTIVE_SCHEDULE: str | None
+    _VLLM_DFLASH_STATS_DIR: str | None
 
 IMPL_CHOICES = ("plugin", "vllm")
 VERIFIER_CHOICES = ("dflash", "vllm")
@@ -75,6 +76,16 @@ def _build_backend() -> str | None:
     return backend
 
 
+def _adaptive_schedule() -> str | None:
+    value = _raw("VLLM_DFLASH_ADAPTIVE_SCHEDULE") or None
+    parts = (value or "").split(":")
+    if value is not None and value != "jump" and not (
+            len(parts) == 3 and parts[0] == "pause" and parts[1].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"VLLM_DFLASH_ADAPTIVE_SCHEDULE={value!r} is not valid; use 'jump' or "
+                         "'pause:FIRST:END' (step numbers), or unset it for the cost-driven schedule")
+    return value
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # Serving.
     # Which DFlash serves method="dflash": "plugin" (default), or "vllm" for vLLM's
@@ -92,7 +103,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Tests: a forced adaptive schedule ("jump", "pause:FIRST:END"; see
     # adaptive.controller.ForcedSchedule) instead of the cost-driven one; read
     # when the proposer is built.
-    "VLLM_DFLASH_ADAPTIVE_SCHEDULE": _path("VLLM_DFLASH_ADAPTIVE_SCHEDULE"),
+    "VLLM_DFLASH_ADAPTIVE_SCHEDULE": _adaptive_schedule,
+    # Set by the plugin, not by users: the folder where workers keep their
+    # adaptive-speculation counters (memory-mapped files) for the API server's
+    # /metrics, set in the frontend process while vLLM builds the engine's
+    # config so the engine processes inherit it. Not VLLM_-prefixed: vLLM warns
+    # about (or, with fail_on_environ_validation, refuses) every VLLM_* variable
+    # it does not know.
+    "_VLLM_DFLASH_STATS_DIR": _path("_VLLM_DFLASH_STATS_DIR"),
     # Tests: register() leaves a file here per process it runs in.
     "VLLM_DFLASH_REGISTER_MARKER_DIR": _path("VLLM_DFLASH_REGISTER_MARKER_DIR"),
     # Build (setup.py).
@@ -131,17 +149,11 @@ def adaptive_schedule() -> str | None:
     return environment_variables[ADAPTIVE_SCHEDULE_ENV]()
 
 
-# Folder where workers keep their adaptive-speculation counters (memory-mapped
-# files) for the API server's /metrics. Set by the plugin itself, in the
-# frontend process while vLLM builds the engine's config (before the engine
-# processes start, so they inherit it); not a user setting, and not
-# VLLM_-prefixed: vLLM warns about (or, with fail_on_environ_validation,
-# refuses) every VLLM_* variable it does not know.
 STATS_DIR_ENV = "_VLLM_DFLASH_STATS_DIR"
 
 
 def stats_dir() -> str | None:
-    return _raw(STATS_DIR_ENV) or None
+    return environment_variables[STATS_DIR_ENV]()
 
 
 def set_stats_dir(path: str) -> None:

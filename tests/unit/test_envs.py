@@ -30,7 +30,7 @@ def test_no_other_module_reads_a_vllm_dflash_variable():
 def test_every_variable_named_in_the_project_is_declared():
     named = set()
     for path in [*_sources(), ROOT / "README.md", ROOT / "Makefile"]:
-        named |= set(re.findall(r"VLLM_DFLASH_[A-Z_]*[A-Z]", path.read_text()))
+        named |= set(re.findall(r"_?VLLM_DFLASH_[A-Z_]*[A-Z]", path.read_text()))
     undeclared = named - set(envs.environment_variables) - NOT_ENV
     assert not undeclared, f"declare {sorted(undeclared)} in vllm_dflash.envs.environment_variables"
     assert set(dir(envs)) == set(envs.environment_variables)
@@ -60,6 +60,7 @@ def test_values_are_read_at_access(monkeypatch):
     ("VLLM_DFLASH_VERIFIER", "mine", "VLLM_DFLASH_VERIFIER='mine' is not valid; use one of ('dflash', 'vllm')"),
     ("VLLM_DFLASH_NATIVE_OPS", "no", "VLLM_DFLASH_NATIVE_OPS='no' is not valid; use 1 or 0 (default 1)"),
     ("VLLM_DFLASH_BUILD_BACKEND", "make", "VLLM_DFLASH_BUILD_BACKEND='make': use 'cmake' or 'torch'"),
+    ("VLLM_DFLASH_ADAPTIVE_SCHEDULE", "pause:3", "VLLM_DFLASH_ADAPTIVE_SCHEDULE='pause:3' is not valid; use 'jump' or"),
 ])
 def test_bad_values_name_the_variable_and_the_fix(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)

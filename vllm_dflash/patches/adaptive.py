@@ -34,16 +34,6 @@ ENTRIES: list[VllmInternal] = [
         source_has=("self._draft_probs[row_idx, :num_draft]",),
     ),
     VllmInternal(
-        symbol="vllm.v1.worker.gpu_input_batch:InputBatch",
-        kind="read",
-        process=("worker",),
-        why="how many drafts of each request the target verified this step (the scheduler may trim them), "
-        "matched to outcomes by request id (rows move between steps)",
-        how="len(runner.input_batch.spec_token_ids[row]) and runner.input_batch.req_ids[row] for rows 0..B-1",
-        remove_when=OUTCOMES,
-        names=("spec_token_ids", "req_ids"),
-    ),
-    VllmInternal(
         symbol="vllm.v1.spec_decode.utils:eagle_prepare_inputs_padded_kernel",
         kind="mirror",
         process=("worker",),

@@ -126,4 +126,17 @@ ENTRIES: list[VllmInternal] = [
         remove_when="never while the in-tree proposer is profiled",
         params=("self", "context_states", "context_positions", "context_slot_mapping"),
     ),
+    VllmInternal(
+        symbol="vllm.v1.worker.gpu_input_batch:InputBatch",
+        kind="read",
+        process=("worker",),
+        why="the runner's batch state by row: adaptive speculation matches outcomes by request id (rows move "
+        "between steps) and reads how many drafts of each request the target verified (the scheduler may trim "
+        "them); the CPU seeded-request rewind (patches.vllm_fixes) finds the step's per-request generators",
+        how="runner.input_batch.req_ids[row], len(runner.input_batch.spec_token_ids[row]) for rows 0..B-1; "
+        "input_batch.generators ({row: torch.Generator}) and num_reqs, swapped for the span of the wrapped "
+        "_bookkeeping_sync",
+        remove_when="vLLM hands verification outcomes to the drafter, and rewinds CPU generators itself",
+        names=("req_ids", "spec_token_ids", "generators", "num_reqs"),
+    ),
 ]

@@ -58,14 +58,4 @@ ENTRIES: list[VllmInternal] = [
         install=_rewind_discarded_cpu_generators,
         plugin_only=False,
     ),
-    VllmInternal(
-        symbol="vllm.v1.worker.gpu_input_batch:InputBatch",
-        kind="read",
-        process=("worker",),
-        why="the seeded-request rewind finds the step's per-request generators by batch index",
-        how="input_batch.generators ({batch index: torch.Generator}), input_batch.num_reqs; swapped for "
-        "the span of the wrapped _bookkeeping_sync",
-        remove_when=_SEED_REWIND_REMOVAL,
-        names=("generators", "num_reqs"),
-    ),
 ]
