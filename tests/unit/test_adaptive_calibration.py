@@ -170,3 +170,28 @@ def test_request_offsets_follow_each_requests_own_acceptance():
     assert abs(p[0, 0] - 0.85) < 0.1 and abs(p[1, 0] - 0.30) < 0.1 and p[2, 0] == pytest.approx(0.6), p
     offsets.forget(["hard"])
     assert offsets.apply(["easy"], np.full((1, 1), 0.6))[0, 0] == pytest.approx(0.6)
+
+
+def test_survival_correction_removes_a_bias_where_positions_are_verified():
+    """Predictions 1.6x too high at every position; drafts verified up to a budget of 6
+    (positions 7.. never verified). After enough outcomes the corrected survival is
+    within 0.03 of the truth where verified, the deepest verified factor carries to
+    the unverified positions, and corrected rows stay non-increasing and <= 1."""
+    from vllm_dflash.adaptive.calibration import SurvivalCorrection
+
+    rng = np.random.default_rng(0)
+    k, budget = 10, 6
+    conditional = 0.6
+    truth = conditional ** np.arange(1, k + 1)
+    raw = np.minimum(1.6 * truth, 1.0)
+    corr = SurvivalCorrection(k)
+    for _ in range(400):
+        n = 8
+        accepted = np.minimum(rng.geometric(1 - conditional, size=n) - 1, budget)
+        corr.update(np.tile(raw, (n, 1)), np.full(n, budget), accepted)
+    fixed = corr.apply(raw[None, :])[0]
+    assert np.all(np.abs(fixed[:budget] - truth[:budget]) < 0.03), (fixed, truth)
+    factors = corr.factors()
+    assert np.allclose(factors[budget:], factors[budget - 1])
+    assert np.all(np.diff(fixed) <= 0) and fixed.max() <= 1.0
+    assert np.allclose(SurvivalCorrection(k).apply(raw[None, :])[0], raw)  # no evidence: unchanged

@@ -99,10 +99,18 @@ def test_warmup_drafts_full_and_random_blocks_then_stops():
         c.draft_cost.observe(2, plan.q + 1, 1e-4)
     assert K in plans and len(set(plans)) > 3
     assert c.plan(ids, np.full(2, GREEDY)).reason != WARMUP
-    # A new batch size warms up briefly: the measured curves already stand in for it.
+    # A new, larger batch size warms up briefly: the measured curves stand in for it meanwhile.
     new = [f"n{i}" for i in range(16)]
-    reasons = [c.plan(new, np.full(16, GREEDY)).reason for _ in range(6)]
+    reasons = []
+    for _ in range(6):
+        plan = c.plan(new, np.full(16, GREEDY))
+        reasons.append(plan.reason)
+        c.step_cost.observe(16, 2.0, 4e-3)
+        c.draft_cost.observe(16, plan.q + 1, 4e-4)
     assert reasons[:4] == [WARMUP] * 4 and WARMUP not in reasons[4:], reasons
+    # A size between measured ones does not warm up: the curves interpolate.
+    mid = [f"m{i}" for i in range(6)]
+    assert c.plan(mid, np.full(6, GREEDY)).reason != WARMUP
 
 
 def test_decisions_are_deterministic_for_a_seed():

@@ -46,18 +46,35 @@ def test_predictions_are_monotone_in_tokens_despite_noise():
 
 
 def test_rarely_measured_points_lean_on_well_measured_neighbours():
-    """Draft time linear in q, measured 50 times at q = 0, 8, 15 and once, with +-40% noise,
+    """Draft time linear in q, measured 50 times at q = 0, 1, 8, 15 and once, with +-40% noise,
     at the other q: predictions stay within 12% of the line (raw once-measured means would
-    be off by up to 40%)."""
+    be off by up to 40%). (q = 0 is fitted on its own: see the jump test below.)"""
     cost = StepCost(16, 4)
     rng = np.random.default_rng(3)
     line = lambda t: 1e-3 * (1 + 0.5 * t)  # noqa: E731
     for t in range(1, 17):
-        for _ in range(50 if t in (1, 9, 16) else 1):
-            cost.observe(1, t, line(t) * (rng.uniform(0.6, 1.4) if t not in (1, 9, 16) else rng.uniform(0.98, 1.02)))
+        for _ in range(50 if t in (1, 2, 9, 16) else 1):
+            cost.observe(1, t, line(t) * (rng.uniform(0.6, 1.4) if t not in (1, 2, 9, 16) else rng.uniform(0.98, 1.02)))
     pred = cost.predict(1, np.arange(1, 17))
     assert np.all(np.abs(pred / line(np.arange(1, 17)) - 1) < 0.12), pred / line(np.arange(1, 17))
     assert np.all(np.diff(pred) >= 0)
+
+
+def test_the_jump_from_no_drafts_to_drafts_is_kept():
+    """Drafting: 1 ms for the context write alone (t = 1), 5 ms + 0.2 ms per token for a
+    query block (t >= 2). Smoothing across the jump would make t = 1 dearer and short
+    blocks cheaper, tilting every decision toward drafting; fitted apart, t = 1 stays
+    1 ms, and a step where only some requests verify (1 < t < 2) pays the block regime."""
+    cost = StepCost(16, 8)
+    rng = np.random.default_rng(5)
+    truth = lambda t: np.where(np.asarray(t) <= 1, 1e-3, 5e-3 + 0.2e-3 * np.asarray(t))  # noqa: E731
+    for _ in range(400):
+        t = float(rng.integers(1, 17))
+        cost.observe(4, t, float(truth(t)) * rng.uniform(0.97, 1.03))
+    pred = cost.predict(4, [1.0, 1.5, 2.0, 3.0, 16.0])
+    assert pred[0] == pytest.approx(1e-3, rel=0.03)
+    assert pred[1] == pytest.approx(5.3e-3, rel=0.05) and pred[2] == pytest.approx(5.4e-3, rel=0.05)
+    assert np.all(np.abs(pred[2:] / truth([2.0, 3.0, 16.0]) - 1) < 0.05)
 
 
 def test_never_zero_and_pessimistic_beyond_the_measured_range():

@@ -19,8 +19,9 @@ Two decisions per step:
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
-size the cost model keeps a knot for; the curves of the nearest measured
-sizes stand in meanwhile) draft randomised q (full blocks half the time)
+size the cost model keeps a knot for, unless measured sizes on both sides
+let the curves interpolate; the curves of the nearest measured sizes stand
+in meanwhile) draft randomised q (full blocks half the time)
 with randomised per-request budgets, and later a step
 explores (a longer q, random extra positions or full blocks for some
 requests) with a probability capped so that, even if exploring meant full
@@ -111,7 +112,24 @@ class BudgetController:
             return True
         done = self._warmup_done.get(self._warmup_key(requests), 0)
         first = self._warmup_total - done < self.warmup_steps  # no other size warmed up yet
-        return done < (self.warmup_steps if first else self.knot_warmup_steps)
+        if first:
+            return done < self.warmup_steps
+        # A further batch size warms up only where the cost curves would be
+        # extrapolated (no measured size at or above it): between measured sizes
+        # they interpolate, and exploration refines them. Warm-up steps verify
+        # full blocks for many requests, so each one costs several plain steps.
+        return done < self.knot_warmup_steps and not self._bracketed(requests)
+
+    def _bracketed(self, requests: int) -> bool:
+        """Both cost surfaces hold measured batch-size knots below and above the
+        knot of `requests` (its own knot, the one being warmed up, aside)."""
+        key = self._warmup_key(requests)
+        for cost in (self.step_cost, self.draft_cost):
+            cost.fold_queued()
+            measured = np.flatnonzero(cost.weight.sum(axis=1) >= cost.min_weight)
+            if not ((measured < key).any() and (measured > key).any()):
+                return False
+        return True
 
     def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
         """Query length q for the R = len(req_ids) requests of this step."""

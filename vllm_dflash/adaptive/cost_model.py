@@ -16,7 +16,8 @@ observation is spread over the four surrounding knots (bilinear weights in
 R and t); each knot keeps an exponentially forgetting weighted mean
 (`memory` observations), and an observation far from its knot's estimate is
 clipped to a factor `clip` of it (idle gaps, a stalled process). A
-prediction smooths each R row over t (local straight-line fits, so a knot
+prediction fits t = 1 (no drafts) apart from t >= 2 (a jump: the query
+block's forward, verification), smooths each R row over t >= 2 (local straight-line fits, so a knot
 measured a few times leans on well-measured neighbours), fits it
 non-decreasing in t (weighted pool-adjacent-violators), interpolates linearly between knots that hold data,
 extrapolates outside them through the origin (t / t0 scaling: a cost that
@@ -129,7 +130,7 @@ class StepCost:
         self._queued.append((requests, tokens_per_request, seconds))
         self.observations += 1
 
-    def _fold_queued(self) -> None:
+    def fold_queued(self) -> None:
         queued, self._queued = self._queued, []
         for sample in queued:
             self._fold(*sample)
@@ -151,24 +152,39 @@ class StepCost:
             self._rows.pop(r, None)
 
     def _row(self, r: int) -> np.ndarray | None:
-        """[T] fitted curve of row r over the t knots, None without data."""
+        """[T] fitted curve of row r over the t knots, None without data.
+
+        t = 1 is a regime of its own (no drafts: no query-block forward, no
+        verification), fitted apart from t >= 2: smoothing across the jump
+        would raise the no-draft cost by part of the drafting one and make
+        speculation look cheaper than it is."""
         if r in self._rows:
             return self._rows[r]
         w = self.weight[r]
         known = w >= self.min_weight
         curve = None
-        if known.any():
-            ts = self.t_knots[known]
-            fit = pool_adjacent_violators(local_linear(ts, self.mean[r][known], w[known], self.bandwidth), w[known])
-            curve = np.interp(self.t_knots, ts, fit)  # once per row and observation, not per prediction
-            below, above = self.t_knots < ts[0], self.t_knots > ts[-1]
-            curve[below] = fit[0] * self.t_knots[below] / ts[0]
-            if len(ts) >= 2 and ts[-1] > ts[-2]:
-                slope = max((fit[-1] - fit[-2]) / (ts[-1] - ts[-2]), fit[-1] / ts[-1])
-            else:
-                slope = fit[-1] / ts[-1]
-            curve[above] = fit[-1] + slope * (self.t_knots[above] - ts[-1])
+        rest = known.copy()
+        rest[0] = False
+        if rest.any():
+            curve = self._fit(self.t_knots[rest], self.mean[r][rest], w[rest])
+            if known[0]:
+                curve[0] = min(self.mean[r, 0], curve[1])  # non-decreasing across the jump
+        elif known[0]:
+            curve = self.mean[r, 0] * self.t_knots  # pessimistic until a longer block is measured
         self._rows[r] = curve
+        return curve
+
+    def _fit(self, ts: np.ndarray, means: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Smoothed, non-decreasing curve over all t knots from the knots `ts` that hold data."""
+        fit = pool_adjacent_violators(local_linear(ts, means, weights, self.bandwidth), weights)
+        curve = np.interp(self.t_knots, ts, fit)  # once per row and observation, not per prediction
+        below, above = self.t_knots < ts[0], self.t_knots > ts[-1]
+        curve[below] = fit[0] * self.t_knots[below] / ts[0]
+        if len(ts) >= 2 and ts[-1] > ts[-2]:
+            slope = max((fit[-1] - fit[-2]) / (ts[-1] - ts[-2]), fit[-1] / ts[-1])
+        else:
+            slope = fit[-1] / ts[-1]
+        curve[above] = fit[-1] + slope * (self.t_knots[above] - ts[-1])
         return curve
 
     def predict(self, requests: int, tokens_per_request) -> np.ndarray:
@@ -176,7 +192,7 @@ class StepCost:
         if not self.ready:
             raise RuntimeError("StepCost.predict before any observation; check .ready")
         if self._queued:
-            self._fold_queued()
+            self.fold_queued()
         t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
         rows = [r for r in range(len(self.r_knots)) if self._row(r) is not None]
         x = float(max(requests, 1))
@@ -200,4 +216,11 @@ class StepCost:
             return curve[0] * t
         frac = t - (idx + 1)
         slope = curve[idx + 1] - curve[idx]
-        return curve[idx] + frac * slope
+        out = curve[idx] + frac * slope
+        # 1 < t < 2: some requests verify drafts, so the step pays the t >= 2
+        # regime's fixed part: the t >= 2 line extended back, not a blend with t = 1.
+        between = (t > 1.0) & (t < 2.0)
+        if between.any():
+            back = curve[1] - (2.0 - t) * (curve[2] - curve[1] if last >= 2 else 0.0)
+            out = np.where(between, np.maximum(back, curve[0]), out)
+        return out

@@ -10,7 +10,8 @@ Per propose() call (one engine step):
    only for steady decode steps (the same requests, no prefill, so no idle
    gap or prompt is in it); then the controller plans q.
 2. the proposer writes the context KV (always) and drafts q positions.
-3. `choose(now, feature, prior)`: posterior survival of the drafts, per
+3. `choose(now, feature, prior)`: posterior survival of the drafts (with
+   the per-position calibration in the large, `SurvivalCorrection`), per
    request budgets, remembered (by request id) for step 1 of the next call.
 4. `end(now)`: the draft time D(R, q + 1) of this call.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets
+from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
 from vllm_dflash.adaptive.controller import BudgetController, ForcedSchedule, Plan
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
@@ -38,7 +39,8 @@ class _Handed:
     kinds: np.ndarray  # [R]
     feature: np.ndarray  # [R, q] confidence feature of the drafts
     shared: np.ndarray  # [R, q] the shared model's conditional acceptance (before each request's shift)
-    survival: np.ndarray  # [R, q] predicted survival (with the shift): what the decision used
+    raw: np.ndarray  # [R, q] predicted survival with the shift, before the per-position correction
+    survival: np.ndarray  # [R, q] corrected survival: what the decision used
     budgets: np.ndarray  # [R]
 
 
@@ -75,6 +77,7 @@ class AdaptiveSpeculation:
         self.schedule = ForcedSchedule(schedule, max_k, seed) if schedule else None
         self.stats = stats if stats is not None else AdaptiveStats(max_k)
         self.offsets = RequestOffsets()
+        self.correction = SurvivalCorrection(max_k)
         self.learn_every = learn_every
         self._handed: _Handed | None = None
         self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted), queued
@@ -125,6 +128,7 @@ class AdaptiveSpeculation:
             return
         rows, verified, accepted = prev[ok], num_verified[ok], num_accepted[ok]
         self.stats.record_outcomes(handed.survival[rows], verified, accepted)
+        self.correction.update(handed.raw[rows], verified, accepted)
         self._outcomes.append(([r for r, good in zip(req_ids, ok) if good], handed.kinds[rows],
                                handed.feature[rows], handed.shared[rows], verified, accepted))
 
@@ -157,7 +161,8 @@ class AdaptiveSpeculation:
             st.budgets = np.zeros(len(st.req_ids), dtype=np.int64)
             return st.budgets
         shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
-        survival = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
+        raw = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
+        survival = self.correction.apply(raw)
         planner = self.schedule or self.controller
         budgets = planner.budgets(st.plan, survival, now - st.t0, st.eligible)
         budgets = np.where(st.eligible, np.minimum(budgets, feature.shape[1]), 0)
@@ -167,7 +172,7 @@ class AdaptiveSpeculation:
         else:
             self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
                                   survival[st.eligible]))
-        self._handed = _Handed({r: i for i, r in enumerate(st.req_ids)}, st.kinds, feature, shared, survival,
+        self._handed = _Handed({r: i for i, r in enumerate(st.req_ids)}, st.kinds, feature, shared, raw, survival,
                                budgets)
         return budgets
 
