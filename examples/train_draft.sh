@@ -3,7 +3,7 @@
 # (see its README for the measured run). Run from anywhere; paths are the repository's.
 #
 #   examples/train_draft.sh [OUT]              # full recipe: about 30 minutes on 2 CPU cores
-#   STEPS=3 NUM_PROMPTS=8 GEN_EAGER=1 examples/train_draft.sh /tmp/tiny-run   # a smoke run
+#   STEPS=3 NUM_PROMPTS=8 BATCH_SIZE=4 GEN_EAGER=1 examples/train_draft.sh /tmp/tiny-run   # a smoke run
 #
 # Stage 1 generates responses with the target through vLLM and caches target features;
 # stage 2 trains the draft (random anchors, decayed loss), exports it in z-lab's format to
@@ -22,6 +22,7 @@ BLOCK_SIZE=${BLOCK_SIZE:-16}
 LR=${LR:-1.5e-3}
 MINUTES=${MINUTES:-18}
 STEPS=${STEPS:-}                 # a step count instead of the time budget
+BATCH_SIZE=${BATCH_SIZE:-}       # sequences per step (default: the trainer's)
 EVAL_NUM=${EVAL_NUM:-8}          # held-out prompts per category for tau
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-128}
 GEN_DTYPE=${GEN_DTYPE:-}         # vLLM dtype for generation (default: the target's)
@@ -38,6 +39,7 @@ data=(--target "$TARGET" --out "$OUT" --num-prompts "$NUM_PROMPTS" --max-new-tok
 [ -n "$GEN_EAGER" ] && data+=(--gen-eager)
 budget=(--minutes "$MINUTES")
 [ -n "$STEPS" ] && budget=(--steps "$STEPS")
+[ -n "$BATCH_SIZE" ] && budget+=(--batch-size "$BATCH_SIZE")
 
 echo "[train_draft] 1/2 responses from the target and the target-feature cache in $OUT"
 "$VLLM_DFLASH" train "${data[@]}" --stop-after features

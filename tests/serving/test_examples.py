@@ -61,7 +61,7 @@ def test_openai_client_example(toy_servers):
 
 def test_train_draft_example_smoke_run(tmp_path):
     out = run(["bash", os.path.join(EXAMPLES, "train_draft.sh"), str(tmp_path / "run")], env={
-        "NUM_PROMPTS": "8", "MAX_NEW_TOKENS": "16", "MAX_LEN": "80", "STEPS": "3", "EVAL_NUM": "1",
+        "NUM_PROMPTS": "8", "MAX_NEW_TOKENS": "16", "MAX_LEN": "80", "STEPS": "3", "BATCH_SIZE": "4", "EVAL_NUM": "1",
         "EVAL_MAX_NEW_TOKENS": "16", "GEN_DTYPE": "float32", "GEN_EAGER": "1", "TARGET_DTYPE": "float32",
         "VLLM_DFLASH": os.path.join(os.path.dirname(sys.executable), "vllm-dflash")})
     export = tmp_path / "run" / "draft"

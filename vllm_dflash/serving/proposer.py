@@ -302,7 +302,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         how many drafts each request had verified this step
         (`input_batch.spec_token_ids`, what the scheduler actually
         scheduled) and, with `num_rejected_tokens_gpu`, how many were
-        accepted; partial prefills (`discard_request_mask`) get no budget.
+        accepted; partial prefills (`discard_request_mask`) and seeded sampled
+        requests (reproducibility) get no budget.
         The context K/V of every verified token is written whatever q is.
         """
         adaptive, runner = self.adaptive, self.runner
@@ -320,9 +321,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
             accepted = np.maximum(verified - num_rejected_tokens_gpu[:batch_size].cpu().numpy(), 0)
         greedy = sampling_params.greedy_mask(
             None if sampling_metadata.all_greedy else sampling_metadata.temperature, batch_size, self.device)
+        greedy = greedy.cpu().numpy()
         eligible = ~runner.discard_request_mask.np[:batch_size].astype(bool)
+        # A seeded sampled request must give the same tokens every time it is sent: how much
+        # randomness verification draws from its generator depends on its draft lengths, which
+        # adaptive speculation ties to the engine's state. So it takes no drafts (its tokens
+        # come from the sampler alone, as without speculation); greedy requests are unaffected.
+        # (A forced test schedule keeps drafting them: its lengths are the point of the test.)
+        if adaptive.schedule is None:
+            for row in sampling_metadata.generators:
+                if row < batch_size and not greedy[row]:
+                    eligible[row] = False
         plan = adaptive.begin(t0, req_ids, verified, accepted, inputs.target_positions.shape[0],
-                              greedy.cpu().numpy(), eligible)
+                              greedy, eligible)
         q = self._same_on_every_rank(plan.q)
         drafts, conf = self._propose_block(q, inputs, confidence=True)
         if q == 0:
