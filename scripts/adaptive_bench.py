@@ -56,6 +56,7 @@ def run_round(args, rnd: int, bar) -> float:
                    "--max-tokens", str(args.max_tokens), "--mixed", "--threads", str(args.threads),
                    "--no-plots", "--out", out]
             bar.set_postfix_str(f"round {rnd} {dtype} {name}")
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
             with open(out + ".log", "w") as log:
                 subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
             bar.update(1)
