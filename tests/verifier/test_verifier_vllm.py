@@ -77,7 +77,10 @@ def run_engine(target_dir, draft_dir, prompts, k, draft_sample_method):
     with vllm_engine(model=target_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
                            max_num_seqs=8, enforce_eager=True,
                            speculative_config={"method": "dflash", "model": draft_dir, "num_speculative_tokens": k,
-                                               "draft_sample_method": draft_sample_method}) as llm:
+                                               "draft_sample_method": draft_sample_method,
+                                               # every step verifies k drafts: the verifier's paths are the subject
+                                               # here (adaptive lengths: tests/serving/test_sampling_e2e.py)
+                                               "adaptive": False}) as llm:
         result = _workloads(llm, model_runner_of(llm), prompts)
     assert result["sampler"] is DFlashRejectionSampler
     return result
