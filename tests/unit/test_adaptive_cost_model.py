@@ -101,3 +101,18 @@ def test_predict_before_data_and_bad_sizes_raise():
         StepCost(4, 4).predict(1, [1.0])
     with pytest.raises(ValueError, match="must be >= 1"):
         StepCost(0, 4)
+
+
+def test_no_draft_cost_borrows_from_sizes_that_measured_it():
+    """Drafting at 8 requests measured only with a query block (t >= 2: ~10 ms), the
+    context write alone (t = 1: ~1 ms) measured at 4 and 16 requests: the t = 1 cost
+    at 8 comes from those sizes, not from the block line through the origin (5 ms)."""
+    cost = StepCost(16, 16)
+    for _ in range(50):
+        cost.observe(4, 1.0, 0.8e-3)
+        cost.observe(16, 1.0, 1.6e-3)
+        for t in (2.0, 8.0, 16.0):
+            cost.observe(8, t, 10e-3 + 0.1e-3 * t)
+    pred = cost.predict(8, [1.0, 2.0, 16.0])
+    assert pred[0] == pytest.approx(1.07e-3, rel=0.1)  # between 0.8 ms (R=4) and 1.6 ms (R=16)
+    assert pred[1] == pytest.approx(10.2e-3, rel=0.05) and pred[2] == pytest.approx(11.6e-3, rel=0.05)

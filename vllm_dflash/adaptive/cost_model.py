@@ -196,15 +196,30 @@ class StepCost:
         t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
         rows = [r for r in range(len(self.r_knots)) if self._row(r) is not None]
         x = float(max(requests, 1))
+        out = self._across_rows(rows, x, lambda r: self._curve_at(r, t))
+        # t = 1 (no drafts) borrows from the batch sizes where t = 1 itself was
+        # measured: a row that only saw drafting steps would otherwise put it on
+        # the drafting regime's line through the origin (for drafting: half a
+        # block's forward instead of the context write alone).
+        first_rows = [r for r in rows if self.weight[r, 0] >= self.min_weight]
+        at_first = t == 1.0
+        if first_rows and at_first.any() and len(first_rows) < len(rows):
+            first = self._across_rows(first_rows, x, lambda r: np.array([self.mean[r, 0]]))[0]
+            out = np.where(at_first, np.minimum(first, out.max()), out)
+        return out
+
+    def _across_rows(self, rows: list[int], x: float, value_at) -> np.ndarray:
+        """`value_at(row)` interpolated in R between the nearest rows around x
+        (below the smallest: that row; above the largest: scaled by R)."""
         below = [r for r in rows if self.r_knots[r] <= x]
         above = [r for r in rows if self.r_knots[r] >= x]
         if below and above:
             lo, hi = below[-1], above[0]
             f = 0.0 if hi == lo else (x - self.r_knots[lo]) / (self.r_knots[hi] - self.r_knots[lo])
-            return (1.0 - f) * self._curve_at(lo, t) + f * self._curve_at(hi, t)
+            return (1.0 - f) * value_at(lo) + f * value_at(hi)
         if above:  # fewer requests than ever measured: no cheaper than the smallest batch
-            return self._curve_at(above[0], t)
-        return self._curve_at(below[-1], t) * (x / self.r_knots[below[-1]])  # more: scaled by R
+            return value_at(above[0])
+        return value_at(below[-1]) * (x / self.r_knots[below[-1]])  # more: scaled by R
 
     def _curve_at(self, r: int, t: np.ndarray) -> np.ndarray:
         """Row r's curve at t >= 1 (knots are 1, 2, ...): linear between knots,
