@@ -3,7 +3,8 @@
     python tp_engines.py RUNS_JSON
 
 RUNS_JSON: a list of {"name", "model", "draft" (null: no speculation),
-"tp", "prompts" (token ids), "max_tokens"}. For each run: greedy token ids,
+"tp", "prompts" (token ids), "max_tokens", optional "adaptive_schedule" (a forced
+schedule, VLLM_DFLASH_ADAPTIVE_SCHEDULE; absent: static drafts)}. For each run: greedy token ids,
 spec-decode counters, and with tp > 1 what every rank's draft model holds
 (`rank_view`, through LLM.collective_rpc). One JSON object on the last stdout line.
 """
@@ -54,6 +55,8 @@ def rank_view(worker) -> dict:
 
 
 def run(spec: dict) -> dict:
+    import os
+
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
@@ -62,7 +65,14 @@ def run(spec: dict) -> dict:
                   gpu_memory_utilization=0.5, tensor_parallel_size=spec["tp"], skip_tokenizer_init=True,
                   disable_log_stats=False)
     if spec["draft"]:
-        kwargs["speculative_config"] = {"method": "dflash", "model": spec["draft"]}
+        # Static drafts unless the run names a forced adaptive schedule: the drafts of static speculation
+        # depend on each request's own tokens only, so TP=1 and TP=2 counters can be compared; adaptive
+        # budgets also depend on how the engine happened to batch the requests.
+        schedule = spec.get("adaptive_schedule")
+        kwargs["speculative_config"] = {"method": "dflash", "model": spec["draft"], "adaptive": schedule is not None}
+        os.environ.pop("VLLM_DFLASH_ADAPTIVE_SCHEDULE", None)
+        if schedule is not None:
+            os.environ["VLLM_DFLASH_ADAPTIVE_SCHEDULE"] = schedule  # read by the workers this engine starts
     llm = LLM(**kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)

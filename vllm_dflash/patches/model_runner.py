@@ -135,8 +135,19 @@ ENTRIES: list[VllmInternal] = [
         "them); the CPU seeded-request rewind (patches.vllm_fixes) finds the step's per-request generators",
         how="runner.input_batch.req_ids[row], len(runner.input_batch.spec_token_ids[row]) for rows 0..B-1; "
         "input_batch.generators ({row: torch.Generator}) and num_reqs, swapped for the span of the wrapped "
-        "_bookkeeping_sync",
+        "_bookkeeping_sync; the CPU prepare_next_token_ids_padded reads req_ids, num_tokens_no_spec and "
+        "vocab_size",
         remove_when="vLLM hands verification outcomes to the drafter, and rewinds CPU generators itself",
-        names=("req_ids", "spec_token_ids", "generators", "num_reqs"),
+        names=("req_ids", "spec_token_ids", "generators", "num_reqs", "num_tokens_no_spec", "vocab_size"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.worker.gpu_input_batch:CachedRequestState.get_token_id",
+        kind="call",
+        process=("worker",),
+        why="the next token of a partial prefill (discarded row) is the request's last token, as vLLM's "
+        "prepare_next_token_ids_padded looks it up",
+        how="requests[req_id].get_token_id(num_tokens_no_spec[row] - 1), only for rows without a valid sample",
+        remove_when="with the CPU prepare_next_token_ids_padded override (vllm_dflash.patches.serving)",
+        params=("self", "idx"),
     ),
 ]

@@ -219,6 +219,22 @@ ENTRIES: list[VllmInternal] = [
         usage=("self._maybe_share_lm_head(target_language_model)",),
     ),
     VllmInternal(
+        symbol=f"{BASE_PROPOSER}.prepare_next_token_ids_padded",
+        kind="override",
+        ours="vllm_dflash.serving.proposer:DFlashProposer.prepare_next_token_ids_padded",
+        process=("worker",),
+        why="the runner calls it every speculative step, drafting or not; on CPU vLLM's looks up every "
+        "request's fallback token in a Python loop that rebuilds input_batch.req_ids per row and round-trips "
+        "each tensor through int64 for its kernel: in a no-draft step at 64 requests it cost more than the "
+        "rest of drafting but the context write",
+        how="override on CPU: the same outputs from torch ops, fallback tokens looked up only for the rows that "
+        "use them (discarded or without a valid sample); CUDA: super()",
+        remove_when="vLLM's CPU path builds the fallback tokens once per step",
+        params=("self", "sampled_token_ids", "requests", "gpu_input_batch", "discard_request_mask"),
+        used_by=f"{RUNNER}.propose_draft_token_ids",
+        usage=("self.drafter.prepare_next_token_ids_padded(",),
+    ),
+    VllmInternal(
         symbol=f"{BASE_PROPOSER}.build_per_group_and_layer_attn_metadata",
         kind="call",
         process=("worker",),

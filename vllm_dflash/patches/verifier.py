@@ -163,8 +163,10 @@ ENTRIES: list[VllmInternal] = [
         kind="call",
         process=("worker",),
         why="the bonus token is sampled by vLLM's Sampler (penalties, bad words, logit bias, seeds, ...), "
-        "returning its logits for logprobs",
-        how="self.sampler(logits=, sampling_metadata=, predict_bonus_token=True, logprobs_mode_override=)",
+        "returning its logits for logprobs; a step where no request has a draft (metadata.max_spec_len == 0) "
+        "is the Sampler's alone, as without speculation",
+        how="self.sampler(logits=, sampling_metadata=, predict_bonus_token=True, logprobs_mode_override=); "
+        "with no drafts, self.sampler(logits=, sampling_metadata=, predict_bonus_token=True)",
         remove_when="never while the bonus token is vLLM's",
         params=("logits", "sampling_metadata", "predict_bonus_token", "logprobs_mode_override"),
     ),

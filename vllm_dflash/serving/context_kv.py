@@ -67,6 +67,14 @@ def is_table_rope(rope: nn.Module) -> bool:
     return isinstance(rope, RotaryEmbedding) and all(getattr(cls, m) is getattr(RotaryEmbedding, m) for m in methods)
 
 
+def _holds_weight(linear: torch.nn.Module) -> bool:
+    """Whether a linear layer still holds its [out, in] weight: vLLM's CPU linears hand it to
+    oneDNN where the machine has a native GEMM for the dtype (AVX512_BF16 / AMX for bf16) and
+    leave an empty tensor behind; the model's own dtype is then the fast one anyway."""
+    weight = getattr(linear, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0
+
+
 class ContextKVWriter:
     """Computes and stores context K/V for a DFlashModel (which owns the weights)."""
 
@@ -109,8 +117,7 @@ class ContextKVWriter:
         model = self.model
         norm, kv_proj = model.hidden_norm, model.context_kv_proj
         plain = (kv_proj is not None and norm.has_weight and norm.variance_size_override is None
-                 and isinstance(getattr(model.fc, "weight", None), torch.Tensor)
-                 and isinstance(getattr(kv_proj, "weight", None), torch.Tensor))
+                 and _holds_weight(model.fc) and _holds_weight(kv_proj))
         if target_features.device.type != "cpu" or target_features.dtype == torch.float32 or not plain:
             return ()
         bias = getattr(kv_proj, "bias", None)

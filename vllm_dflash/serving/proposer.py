@@ -167,6 +167,39 @@ class DFlashProposer(SpecDecodeBaseProposer):
             )
         self.model.lm_head = lm_head
 
+    def prepare_next_token_ids_padded(
+        self,
+        sampled_token_ids: torch.Tensor,
+        requests: dict,
+        gpu_input_batch,
+        discard_request_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next token id [B] int32, valid sampled tokens [B] int32), as vLLM computes them:
+        the last sampled token that is neither -1 (rejected) nor outside the vocabulary, and
+        how many there are; a discarded row (partial prefill) or a row with none falls back
+        to the request's last token and counts 0.
+
+        On CPU this runs every step, drafting or not, and vLLM's version spends more than
+        the rest of a no-draft step's drafting on it: it looks up every request's fallback
+        token in a Python loop that rebuilds the batch's request-id list per row, then
+        converts each tensor to int64 and back for its kernel. Here the fallback is looked
+        up only for the rows that use it. CUDA keeps vLLM's kernel."""
+        if sampled_token_ids.device.type != "cpu":
+            return super().prepare_next_token_ids_padded(
+                sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+        batch_size, width = sampled_token_ids.shape
+        valid = (sampled_token_ids != -1) & (sampled_token_ids < gpu_input_batch.vocab_size)
+        valid_count = valid.sum(dim=1, dtype=torch.int32)
+        last = torch.where(valid, torch.arange(width, device=valid.device), 0).amax(dim=1, keepdim=True)
+        next_token_ids = sampled_token_ids.gather(1, last).view(batch_size).to(torch.int32)
+        valid_count.masked_fill_(discard_request_mask[:batch_size], 0)
+        fallback_rows = torch.nonzero(valid_count == 0).view(-1).tolist()
+        if fallback_rows:
+            req_ids, num_tokens = gpu_input_batch.req_ids, gpu_input_batch.num_tokens_no_spec
+            for row in fallback_rows:
+                next_token_ids[row] = requests[req_ids[row]].get_token_id(int(num_tokens[row]) - 1)
+        return next_token_ids, valid_count
+
     @torch.inference_mode()
     def dummy_run(
         self,
