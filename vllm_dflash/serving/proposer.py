@@ -187,18 +187,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if sampled_token_ids.device.type != "cpu":
             return super().prepare_next_token_ids_padded(
                 sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
-        batch_size, width = sampled_token_ids.shape
-        valid = (sampled_token_ids != -1) & (sampled_token_ids < gpu_input_batch.vocab_size)
-        valid_count = valid.sum(dim=1, dtype=torch.int32)
-        last = torch.where(valid, torch.arange(width, device=valid.device), 0).amax(dim=1, keepdim=True)
-        next_token_ids = sampled_token_ids.gather(1, last).view(batch_size).to(torch.int32)
-        valid_count.masked_fill_(discard_request_mask[:batch_size], 0)
-        fallback_rows = torch.nonzero(valid_count == 0).view(-1).tolist()
+        sampled = sampled_token_ids.numpy()  # host memory: numpy's per-call cost is a fraction of torch's
+        batch_size, width = sampled.shape
+        valid = (sampled != -1) & (sampled < gpu_input_batch.vocab_size)
+        valid_count = valid.sum(axis=1, dtype=np.int32)
+        last = width - 1 - np.argmax(valid[:, ::-1], axis=1)  # last valid column (any column if none)
+        next_token_ids = sampled[np.arange(batch_size), last].astype(np.int32)
+        valid_count[discard_request_mask[:batch_size].numpy()] = 0
+        fallback_rows = np.flatnonzero(valid_count == 0).tolist()  # discarded, or nothing valid
         if fallback_rows:
             req_ids, num_tokens = gpu_input_batch.req_ids, gpu_input_batch.num_tokens_no_spec
-            for row in fallback_rows:
+            for row in fallback_rows:  # the request's last token
                 next_token_ids[row] = requests[req_ids[row]].get_token_id(int(num_tokens[row]) - 1)
-        return next_token_ids, valid_count
+        return torch.from_numpy(next_token_ids), torch.from_numpy(valid_count)
 
     @torch.inference_mode()
     def dummy_run(
