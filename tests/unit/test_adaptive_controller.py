@@ -169,3 +169,40 @@ def test_forced_schedules():
     assert [pause.plan(["a"], np.zeros(1, dtype=int)).q for _ in range(7)] == [K, K, 0, 0, 0, K, K]
     with pytest.raises(ValueError, match="use 'jump' or 'pause:FIRST:END'"):
         ForcedSchedule("sometimes", K)
+
+
+def test_no_draft_measured_at_one_size_is_not_scaled_up_at_another():
+    """A larger batch whose steps were all drafting steps (the no-draft step measured only
+    at one request, 3 ms): drafting at 8 requests costs 6 ms + 0.5 ms per verified token per
+    request plus 3 ms of drafting, acceptance 0.3 per position. Not drafting (~3.75 ms for 8
+    tokens) is worth twice as much per second as the best block, and the controller says so
+    (it drafted, before the cost model carried the regime ratio over, because the no-draft
+    step was priced at 8 single-request steps)."""
+    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0)
+    for _ in range(20):
+        c.step_cost.observe(1, 1.0, 3e-3)
+        c.draft_cost.observe(1, 1.0, 0.5e-3)
+        for t in (2.0, 4.0, 8.0, 16.0):
+            c.step_cost.observe(1, t, 5e-3 + 0.3e-3 * t)
+            c.step_cost.observe(8, t, 6e-3 + 0.5e-3 * t)
+            c.draft_cost.observe(1, t, 2e-3)
+            c.draft_cost.observe(8, t, 3e-3)
+    for r in (1, 8):
+        c._warmup_done[c._warmup_key(r)] = c.warmup_steps
+        c._warmup_total += c.warmup_steps
+    ids = [f"r{i}" for i in range(8)]
+    give_history(c, ids, np.cumprod(np.full(K, 0.3)))
+    plan = c.plan(ids, np.full(8, GREEDY))
+    assert plan.q == 0 and plan.reason == OPTIMAL
+
+
+def test_exploration_also_tries_no_draft():
+    """While the plan drafts full blocks, an exploring step drafts nothing: the no-draft
+    step's cost stays measured at every batch size."""
+    c = controller(lambda r, t: 1e-3, lambda r, t: 1e-5, max_explore_probability=0.5, explore_time_share=1.0)
+    ids = [f"r{i}" for i in range(4)]
+    give_history(c, ids, np.cumprod(np.full(K, 0.6)))
+    plans = [c.plan(ids, np.full(4, GREEDY)) for _ in range(400)]
+    assert {p.q for p in plans if p.reason == OPTIMAL} == {K}
+    explored = [p.q for p in plans if p.reason == EXPLORE]
+    assert len(explored) > 50 and set(explored) == {0}

@@ -116,3 +116,20 @@ def test_no_draft_cost_borrows_from_sizes_that_measured_it():
     pred = cost.predict(8, [1.0, 2.0, 16.0])
     assert pred[0] == pytest.approx(1.07e-3, rel=0.1)  # between 0.8 ms (R=4) and 1.6 ms (R=16)
     assert pred[1] == pytest.approx(10.2e-3, rel=0.05) and pred[2] == pytest.approx(11.6e-3, rel=0.05)
+
+
+def test_no_draft_cost_beyond_measured_sizes_follows_the_two_token_step():
+    """One request measured both regimes (no drafts 3 ms, t >= 2: 5 ms + 0.3 ms per token);
+    eight requests only drafted (6 ms + 0.5 ms per token). Scaling the one-request no-draft
+    step by R would price it at 24 ms, dearer than any draft; the one-request ratio
+    no-draft / two-token step (3 / 5.6) applied to eight requests' own two-token step
+    (7 ms) gives 3.75 ms."""
+    cost = StepCost(16, 16)
+    for _ in range(50):
+        cost.observe(1, 1.0, 3e-3)
+        for t in (2.0, 4.0, 8.0, 16.0):
+            cost.observe(1, t, 5e-3 + 0.3e-3 * t)
+            cost.observe(8, t, 6e-3 + 0.5e-3 * t)
+    pred = cost.predict(8, [1.0, 2.0])
+    assert pred[1] == pytest.approx(7e-3, rel=0.05)
+    assert pred[0] == pytest.approx(3e-3 / 5.6e-3 * 7e-3, rel=0.05)

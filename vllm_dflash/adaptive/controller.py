@@ -21,10 +21,10 @@ Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
 size the cost model keeps a knot for, unless measured sizes on both sides
 let the curves interpolate; the curves of the nearest measured sizes stand
-in meanwhile) draft randomised q (full blocks half the time)
+in meanwhile) draft randomised q (full blocks half the time, none a fifth)
 with randomised per-request budgets, and later a step
 explores (a longer q, random extra positions or full blocks for some
-requests) with a probability capped so that, even if exploring meant full
+requests; or, while drafting, no draft) with a probability capped so that, even if exploring meant full
 blocks verified for everyone, it costs at most `explore_time_share` of the
 predicted time. Decisions are deterministic for a seed.
 """
@@ -140,14 +140,22 @@ class BudgetController:
             key = self._warmup_key(requests)
             self._warmup_done[key] = self._warmup_done.get(key, 0) + 1
             self._warmup_total += 1
-            q = self.max_k if self.rng.random() < 0.5 else int(self.rng.integers(0, self.max_k + 1))
+            # Full blocks half the time (deep positions get calibrated), no draft a fifth (the
+            # no-draft step is the one every decision compares against), any q otherwise.
+            u = self.rng.random()
+            q = self.max_k if u < 0.5 else 0 if u < 0.7 else int(self.rng.integers(0, self.max_k + 1))
             return Plan(q, WARMUP)
         step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)
         plan = Plan(q, OPTIMAL)
         explore = min(self.max_explore_probability,
                       self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
-        if q < self.max_k and self.rng.random() < explore:
-            plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
+        if self.rng.random() < explore:
+            # Both ways: longer blocks than planned, or (half the time, while drafting) none, so
+            # a cost model that overrates the no-draft step is corrected too.
+            if q > 0 and (q == self.max_k or self.rng.random() < 0.5):
+                plan = Plan(0, EXPLORE)
+            elif q < self.max_k:
+                plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
         return plan
 
     def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:

@@ -23,7 +23,9 @@ non-decreasing in t (weighted pool-adjacent-violators), interpolates linearly be
 extrapolates outside them through the origin (t / t0 scaling: a cost that
 grows with the tokens computed, pessimistic for longer blocks until they are
 measured), and interpolates linearly in R between the nearest rows that hold
-data (below the smallest: that row; above the largest: scaled by R).
+data (below the smallest: that row; above the largest: scaled by R). t = 1
+at a size that never measured it comes from the sizes that did: interpolated,
+or, beyond them, their ratio to the two-token step applied to this size's own.
 Nothing is predicted before the first observation (`ready`).
 """
 
@@ -205,12 +207,23 @@ class StepCost:
         at_first = t == 1.0
         if first_rows and at_first.any() and len(first_rows) < len(rows):
             first = self._across_rows(first_rows, x, lambda r: np.array([self.mean[r, 0]]))[0]
+            # Beyond the sizes that measured t = 1, scaling by R makes a step that is mostly
+            # fixed cost look R times dearer (no drafting at 8 requests priced at 8 single-request
+            # steps: speculation then always looked better). Where a size measured both regimes,
+            # its ratio no-draft / two-token step carries to this size's own two-token cost.
+            both = [r for r in first_rows if (self.weight[r, 1:] >= self.min_weight).any()]
+            if both:
+                two = np.array([2.0])
+                ratio = self._across_rows(
+                    both, x, lambda r: np.array([min(self.mean[r, 0] / self._curve_at(r, two)[0], 1.0)]),
+                    scale=False)[0]
+                first = min(first, ratio * self._across_rows(rows, x, lambda r: self._curve_at(r, two))[0])
             out = np.where(at_first, np.minimum(first, out.max()), out)
         return out
 
-    def _across_rows(self, rows: list[int], x: float, value_at) -> np.ndarray:
+    def _across_rows(self, rows: list[int], x: float, value_at, scale: bool = True) -> np.ndarray:
         """`value_at(row)` interpolated in R between the nearest rows around x
-        (below the smallest: that row; above the largest: scaled by R)."""
+        (below the smallest: that row; above the largest: scaled by R, unless not `scale`)."""
         below = [r for r in rows if self.r_knots[r] <= x]
         above = [r for r in rows if self.r_knots[r] >= x]
         if below and above:
@@ -219,7 +232,8 @@ class StepCost:
             return (1.0 - f) * value_at(lo) + f * value_at(hi)
         if above:  # fewer requests than ever measured: no cheaper than the smallest batch
             return value_at(above[0])
-        return value_at(below[-1]) * (x / self.r_knots[below[-1]])  # more: scaled by R
+        grow = x / self.r_knots[below[-1]] if scale else 1.0
+        return value_at(below[-1]) * grow  # more: scaled by R
 
     def _curve_at(self, r: int, t: np.ndarray) -> np.ndarray:
         """Row r's curve at t >= 1 (knots are 1, 2, ...): linear between knots,
