@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 
 
@@ -21,7 +22,7 @@ def rank_view(worker) -> dict:
     projections (the layer's qkv_proj and the fused context_kv_proj) compute the
     checkpoint heads this rank should hold. Probed through the layers: vLLM's
     CPU linears repack their weights after loading."""
-    import os
+    import os  # runs in a worker process: everything it needs is imported here
 
     import torch
     from safetensors.torch import load_file
@@ -55,8 +56,6 @@ def rank_view(worker) -> dict:
 
 
 def run(spec: dict) -> dict:
-    import os
-
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt

@@ -53,15 +53,14 @@ def samplers():
 
 @pytest.mark.parametrize("logprobs", [None, 3])
 @pytest.mark.parametrize("temperature,seeds", [([0.0] * BATCH, {}), ([0.0, 1.0, 0.7, 1.0, 0.0], {1: 11, 2: 13, 3: 12})])
-def test_no_draft_step_equals_full_verification(samplers, monkeypatch, temperature, seeds, logprobs):
+def test_no_draft_step_equals_full_verification(samplers, temperature, seeds, logprobs):
     logits = torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(0))
     metadata = no_draft_metadata(BATCH)
     short_meta = sampling(temperature, seeds, logprobs)
     short = samplers(metadata, None, logits.clone(), short_meta)
 
     full_meta = sampling(temperature, seeds, logprobs)
-    monkeypatch.setattr(DFlashRejectionSampler, "no_draft_shortcut", False)
-    full = samplers(metadata, None, logits.clone(), full_meta)
+    full = samplers.verify_drafts(metadata, None, logits.clone(), full_meta)
 
     assert short.sampled_token_ids.shape == full.sampled_token_ids.shape == (BATCH, 1)
     assert short.sampled_token_ids.dtype == full.sampled_token_ids.dtype

@@ -232,8 +232,8 @@ class StepCost:
             return (1.0 - f) * value_at(lo) + f * value_at(hi)
         if above:  # fewer requests than ever measured: no cheaper than the smallest batch
             return value_at(above[0])
-        grow = x / self.r_knots[below[-1]] if scale else 1.0
-        return value_at(below[-1]) * grow  # more: scaled by R
+        grow = x / self.r_knots[below[-1]] if scale else 1.0  # more requests: scaled by R
+        return value_at(below[-1]) * grow
 
     def _curve_at(self, r: int, t: np.ndarray) -> np.ndarray:
         """Row r's curve at t >= 1 (knots are 1, 2, ...): linear between knots,

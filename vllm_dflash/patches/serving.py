@@ -227,7 +227,7 @@ ENTRIES: list[VllmInternal] = [
         "request's fallback token in a Python loop that rebuilds input_batch.req_ids per row and round-trips "
         "each tensor through int64 for its kernel: in a no-draft step at 64 requests it cost more than the "
         "rest of drafting but the context write",
-        how="override on CPU: the same outputs from torch ops, fallback tokens looked up only for the rows that "
+        how="override on CPU: the same outputs in numpy, fallback tokens looked up only for the rows that "
         "use them (discarded or without a valid sample); CUDA: super()",
         remove_when="vLLM's CPU path builds the fallback tokens once per step",
         params=("self", "sampled_token_ids", "requests", "gpu_input_batch", "discard_request_mask"),

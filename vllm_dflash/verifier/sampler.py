@@ -85,8 +85,6 @@ VLLM_CPU_SAMPLED_VERIFY_WARNING = (
 
 
 class DFlashRejectionSampler(RejectionSampler):
-    no_draft_shortcut = True  # False: no-draft steps take the full path too (tests compare the two)
-
     def __init__(self, sampler, spec_config=None, device: torch.device | None = None):
         super().__init__(sampler, spec_config, device)
         self.use_dflash = use_dflash_verifier(spec_config)
@@ -104,18 +102,25 @@ class DFlashRejectionSampler(RejectionSampler):
     ) -> SamplerOutput:
         if not self.use_dflash:
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
-        if metadata.max_spec_len == 0 and self.no_draft_shortcut:
+        if metadata.max_spec_len == 0:
             # No request has a draft this step (adaptive speculation chose none; vLLM 0.32
             # verifies every step of a speculative engine): the sampler alone decides, as
             # without speculation. Noise and logprobs would be drawn and gathered for nothing,
-            # and no seeded request's generator is touched either way (draw_noise skips
-            # rows without drafts).
-            # Without drafts the runner computed logits at the bonus rows only (indices 0..B-1):
-            # no gather copy.
+            # and no seeded request's generator is touched either way (draw_noise skips rows
+            # without drafts). The runner computed logits at the bonus rows only (0..B-1).
             bonus_logits = logits if logits.shape[0] == len(metadata.num_draft_tokens) else \
                 logits[metadata.bonus_logits_indices]
             return self.sampler(logits=bonus_logits, sampling_metadata=sampling_metadata, predict_bonus_token=True)
+        return self.verify_drafts(metadata, draft_probs, logits, sampling_metadata)
 
+    def verify_drafts(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        """The bonus token, then accept / recover at the draft positions."""
         # Bonus token: vLLM's Sampler, asking for logits so logprobs can be computed below.
         bonus = self.sampler(
             logits=logits[metadata.bonus_logits_indices],
