@@ -59,6 +59,12 @@ PROPOSER_HOOKS: dict[str, dict[str, list[str]]] = {
 }
 
 
+# Adaptive steps that verified nothing and draft nothing end in the proposer's
+# propose_unverified_step, before propose(): they count as steps (execute_model),
+# not as propose() calls; their held-back context is timed in the drafting step
+# that writes it ("context_kv").
+
+
 class PhaseTimer:
     """Cumulative {phase: {"calls", "seconds"}}; `sync` (e.g. torch.cuda.synchronize)
     runs around every timed call. With `record_calls`, every propose() call

@@ -115,16 +115,33 @@ class ProposalRecorder:
     their drafts are discarded: not recorded). The drafts are the whole
     drafted block (adaptive speculation hands out a prefix of it; its
     lengths go to `handed`, per call {prompt index: length}); calls that
-    drafted nothing (adaptive q = 0) record no drafts."""
+    drafted nothing (adaptive q = 0) record no drafts, steps that the proposer
+    settled before vLLM's glue (`propose_unverified_step`: nothing verified,
+    nothing to draft) too, so there is one call per engine step."""
 
     def __init__(self, runner, prompts: list[list[int]]):
         self.runner = runner
         self.index = {tuple(p): i for i, p in enumerate(prompts)}
         self.calls: list[dict[int, tuple[int, list[int]]]] = []
         self.handed: list[dict[int, int]] = []
+        self.unverified_steps = 0  # steps settled before vLLM's drafting glue
         drafter = runner.drafter
         self.original = drafter.propose
         drafter.propose = self.propose
+        self.original_unverified = getattr(drafter, "propose_unverified_step", None)
+        if self.original_unverified is not None:
+            drafter.propose_unverified_step = self.propose_unverified_step
+
+    def propose_unverified_step(self, runner, *args):
+        drafts = self.original_unverified(runner, *args)
+        if drafts is not None:
+            self.unverified_steps += 1
+            discarded = runner.discard_request_mask.np[:len(drafts)].tolist()
+            self.calls.append({})
+            self.handed.append({self.index.get(tuple(runner.requests[req_id].prompt_token_ids), -1): len(d)
+                                for req_id, d, gone in zip(runner.input_batch.req_ids, drafts, discarded)
+                                if not gone})
+        return drafts
 
     def propose(self, **kwargs):
         drafts = self.original(**kwargs)
@@ -209,6 +226,7 @@ def _run_workload(llm, k: int | None, phases) -> dict:
         if recorder:
             result[f"proposals_{phase}"] = recorder.calls[start:]
             result[f"handed_{phase}"] = recorder.handed[start:]
+            result[f"unverified_steps_{phase}"] = recorder.unverified_steps
     result["preemptions"] = len(preemptions)
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
@@ -435,6 +453,9 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
     if name == "pause":  # the pause happened, and drafting resumed after it
         calls = run["proposals_batch8"]
         assert all(not c for c in calls[PAUSE[0]:PAUSE[1]]) and sum(bool(c) for c in calls[PAUSE[1]:]) > 5
+        # and (all but its first step, which verified the last drafts) it skipped vLLM's drafting
+        # glue, its context held back until drafting resumed
+        assert run["unverified_steps_batch8"] >= PAUSE[1] - PAUSE[0] - 1
 
 
 def test_acceptance_after_a_pause_equals_never_stopping(baseline, plugin, adaptive):

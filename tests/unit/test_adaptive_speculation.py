@@ -78,3 +78,16 @@ def test_partial_prefill_rows_get_nothing_and_all_ineligible_means_no_draft():
     assert plan.q == K and budgets.tolist() == [K, 0]
     plan, budgets = step(spec, 1.0, ["b"], [0], [0], 50, eligible=[False])
     assert plan.q == 0 and budgets.tolist() == [0]
+
+
+def test_held_back_context_writes_are_not_draft_time():
+    """A drafting step that first writes context queued by steps without drafting
+    pays for those steps: that share is left out of D(R, q + 1), and the step-time
+    clock still starts where the call really ended."""
+    spec = AdaptiveSpeculation(K, 8, schedule="pause:100:101")  # full blocks
+    plan = spec.begin(0.0, ["a"], np.array([0]), np.array([0]), 1, np.ones(1, bool), np.ones(1, bool))
+    spec.choose(0.001, np.full((1, plan.q), 0.9), np.full((1, plan.q), 0.9))
+    spec.end(0.010, not_drafting=0.006)
+    assert spec.controller.draft_cost.predict(1, [K + 1.0])[0] == np.float64(0.004)
+    step(spec, 1.010, ["a"], [K], [K], K + 1)
+    assert spec.controller.step_cost.predict(1, [K + 1.0])[0] == np.float64(1.0)

@@ -176,14 +176,16 @@ class AdaptiveSpeculation:
                                budgets)
         return budgets
 
-    def end(self, now: float) -> None:
-        """The call is over: D(R, q + 1) sample, statistics of the step."""
+    def end(self, now: float, not_drafting: float = 0.0) -> None:
+        """The call is over: D(R, q + 1) sample, statistics of the step. `not_drafting`
+        seconds of the call were work any q would have paid (context writes held back
+        by earlier steps without drafting) and are left out of D."""
         st = self._step
         if st is None:
             return
         requests = len(st.req_ids)
         if requests:
-            self.controller.draft_cost.observe(requests, st.plan.q + 1, now - st.t0)
+            self.controller.draft_cost.observe(requests, st.plan.q + 1, max(now - st.t0 - not_drafting, 0.0))
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)

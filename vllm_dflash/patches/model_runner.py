@@ -54,10 +54,14 @@ ENTRIES: list[VllmInternal] = [
         why="tests and the bench look at the drafter and the samplers the runner built; in the worker, the "
         "proposer and the CPU seeded-request rewind (patches.vllm_fixes) read which requests' samples vLLM "
         "discards this step (partial prefills): a seeded request draws its sampled drafts from its own "
-        "generator except in those steps",
-        how="runner.drafter, runner.sampler, runner.rejection_sampler; runner.discard_request_mask.np[:num_reqs]",
-        remove_when=UNTIL + "; discard_request_mask: when vLLM's draft sampler takes per-request generators",
-        names=("drafter", "sampler", "rejection_sampler", "discard_request_mask"),
+        "generator except in those steps; the propose_draft_token_ids patch (patches.serving), returning draft "
+        "lists itself on a step without drafting, leaves the draft-probability state as vLLM's method does",
+        how="runner.drafter, runner.sampler, runner.rejection_sampler; runner.discard_request_mask.np[:num_reqs]; "
+        "set runner._draft_probs = runner._draft_prob_req_ids = None",
+        remove_when=UNTIL + "; discard_request_mask: when vLLM's draft sampler takes per-request generators; "
+        "_draft_probs*: with the propose_draft_token_ids patch",
+        names=("drafter", "sampler", "rejection_sampler", "discard_request_mask", "_draft_probs",
+               "_draft_prob_req_ids"),
     ),
     VllmInternal(
         symbol=f"{RUNNER}.execute_model",

@@ -55,6 +55,30 @@ def _complete_dflash_speculative_config() -> None:
     wrap_once(EngineArgs, "create_speculative_config", make)
 
 
+def _skip_glue_for_steps_without_drafts() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                    common_attn_metadata, slot_mappings):
+            unverified = getattr(self.drafter, "propose_unverified_step", None)  # ours only
+            if unverified is not None:
+                drafts = unverified(self, scheduler_output.total_num_scheduled_tokens, aux_hidden_states,
+                                    spec_decode_metadata, common_attn_metadata, sampling_metadata)
+                if drafts is not None:
+                    self._draft_probs = None
+                    self._draft_prob_req_ids = None
+                    return drafts
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                            sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                            slot_mappings)
+
+        return propose_draft_token_ids
+
+    wrap_once(GPUModelRunner, "propose_draft_token_ids", make)
+
+
 ENTRIES: list[VllmInternal] = [
     # ------------------------------------------------------------ patches --
     VllmInternal(
@@ -86,6 +110,55 @@ ENTRIES: list[VllmInternal] = [
         usage=("self.drafter = DFlashProposer(self.vllm_config, self.device, self)",
                "self.drafter.propose(", "self.drafter.dummy_run("),
         install=_install_proposer,
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}.propose_draft_token_ids",
+        kind="patch",
+        process=("worker",),
+        why="an adaptive step that verified no draft and plans none must cost what a step without speculation "
+        "costs; vLLM's drafting glue (next-token bookkeeping, hidden states concatenated for the drafter) ran "
+        "before our proposer could decide (measured on CPU: about half of what such a step added)",
+        how="wrap: first DFlashProposer.propose_unverified_step(runner, total scheduled tokens, aux hidden "
+        "states, spec metadata, common attention metadata, sampling metadata); its draft lists are the result "
+        "(with _draft_probs cleared, as vLLM's method does), or None runs vLLM's method; other drafters: "
+        "vLLM's method",
+        remove_when="vLLM lets a drafter decide before its glue runs (Model Runner V2's adaptive verification)",
+        params=("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
+                "slot_mappings"),
+        ours="vllm_dflash.serving.proposer:DFlashProposer.propose_unverified_step",
+        used_by=f"{RUNNER}.sample_tokens",
+        usage=("self._draft_token_ids = self.propose_draft_token_ids(",),
+        install=_skip_glue_for_steps_without_drafts,
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}._get_positions",
+        kind="call",
+        process=("worker",),
+        why="a step without drafting queues its tokens' context at their positions, as vLLM's glue hands "
+        "them to propose() (target_positions)",
+        how="runner._get_positions(num_scheduled_tokens)",
+        remove_when="with the propose_draft_token_ids patch",
+        params=("self", "num_tokens"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.core.sched.output:SchedulerOutput",
+        kind="read",
+        process=("worker",),
+        why="the step's new tokens are the rows of the target pass whose hidden states become context",
+        how="scheduler_output.total_num_scheduled_tokens (vLLM's glue slices the aux hidden states by it)",
+        remove_when="with the propose_draft_token_ids patch",
+        names=("total_num_scheduled_tokens",),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
+        kind="read",
+        process=("worker",),
+        why="a step verified drafts only if its speculative metadata has some (vLLM 0.32 builds the metadata "
+        "for every step of a speculative engine)",
+        how="spec_decode_metadata is None or spec_decode_metadata.max_spec_len == 0: nothing verified",
+        remove_when="with the propose_draft_token_ids patch",
+        names=("max_spec_len",),
     ),
     VllmInternal(
         symbol="vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",

@@ -19,8 +19,11 @@ and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
 
 Static speculation (`adaptive: false`) drafts q = k = num_speculative_tokens
 every step. Adaptive speculation (the default, `vllm_dflash.adaptive`)
-plans q per step (0: no draft forward, the context write still runs), then
-hands each request the prefix of its draft worth verifying, as lists.
+plans q per step, then hands each request the prefix of its draft worth
+verifying, as lists. q = 0 runs no draft forward and queues the step's
+context rows (`serving.context_queue`), written with the next drafting
+step's; a step that also verified nothing is settled before vLLM's drafting
+glue runs (`propose_unverified_step`, called by the patched runner).
 
 The drafter's cache needs no per-request state: everything lives in vLLM's
 block tables, so chunked prefill, prefix caching, preemption and requests
@@ -50,6 +53,7 @@ from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence, s
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
+from vllm_dflash.serving.context_queue import ContextRows, DeferredContext
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 from vllm_dflash.verifier import sampling_params
@@ -102,6 +106,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.confidence_feature = DEFAULT_FEATURE
         self._tp_size, tp_rank = _tensor_parallel()
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
+        # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
+        self.deferred_context = DeferredContext(vllm_config.scheduler_config.max_num_batched_tokens)
+        self._planned_q: int | None = None  # set by propose_unverified_step when it leaves drafting to propose()
+        self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %s",
             spec.model,
@@ -287,8 +295,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
             features = target_hidden_states if target_hidden_states.shape[0] == num_rows else target_hidden_states[:num_rows]
         else:
             features = ops.gather_hidden_states([target_hidden_states], step.context_rows)
-        self.model.store_context_kv(features, step.context_positions, step.context_slots)
-        if q == 0:  # the cache is in sync; nothing to draft
+        self._write_context(ContextRows(features, step.context_positions, step.context_slots),
+                            hold=q == 0 and self.adaptive is not None)
+        if q == 0:  # nothing to draft (the context is written or queued)
             self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
             return self.last_draft_block, None
 
@@ -327,25 +336,89 @@ class DFlashProposer(SpecDecodeBaseProposer):
             conf = tuple(c.view(batch_size, q) for c in conf)
         return self.last_draft_block, conf
 
+    def _write_context(self, rows: ContextRows, hold: bool) -> None:
+        """Write the context K/V of `rows` now, with whatever steps without drafting
+        queued before (`serving.context_queue`); or, with `hold` (this step drafts
+        nothing), queue them while the queue has room."""
+        if hold and self.deferred_context.hold(rows):
+            return
+        if not self.deferred_context.rows:
+            self.model.store_context_kv(rows.features, rows.positions, rows.slots)
+            return
+        t0 = time.perf_counter()
+        held = self.deferred_context.rows
+        rows = self.deferred_context.take(rows)
+        self.model.store_context_kv(rows.features, rows.positions, rows.slots)
+        # the held rows' share is what those steps would have paid: not this step's draft time
+        self._held_context_seconds += (time.perf_counter() - t0) * held / rows.features.shape[0]
+
+    def propose_unverified_step(
+        self,
+        runner,
+        num_tokens: int,
+        aux_hidden_states: list[torch.Tensor] | None,
+        spec_decode_metadata,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+    ) -> list[list[int]] | None:
+        """The whole drafting part of an adaptive step that verified no draft and plans
+        none, called by the runner before its drafting glue (`patches.serving`): empty
+        draft lists, with the `num_tokens` new tokens' context queued. None: the step
+        verified drafts or plans some; the runner's glue runs and calls propose(),
+        which uses the plan made here.
+
+        Steps without drafting are the ones adaptive speculation must make as cheap as
+        no speculation: vLLM's glue (next-token bookkeeping, input padding, concatenating
+        every step's hidden states for a drafter) and the per-step context write are
+        most of what a speculative engine adds to them."""
+        self._planned_q = None
+        if self.adaptive is None or aux_hidden_states is None:
+            return None
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len > 0:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch_size = common_attn_metadata.num_reqs
+        q = self._begin_adaptive(t0, batch_size, num_tokens, None, sampling_metadata)
+        if q > 0:
+            self._planned_q = q
+            return None
+        rows = ContextRows(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
+                           runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
+        self._write_context(rows, hold=True)
+        self._last_draft_probs = None
+        self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+        return self._finish_adaptive(self.last_draft_block, None)
+
     def _propose_adaptive(self, inputs: _StepInputs) -> list[list[int]]:
         """Per request, the draft tokens worth verifying (`vllm_dflash.adaptive`).
 
         The runner hands the lists to the scheduler as each request's
-        spec_token_ids, any length (0 too). From the runner's batch: the
-        request ids (rows move between steps: outcomes are matched by id),
-        how many drafts each request had verified this step
-        (`input_batch.spec_token_ids`, what the scheduler actually
-        scheduled) and, with `num_rejected_tokens_gpu`, how many were
-        accepted; partial prefills (`discard_request_mask`) and seeded sampled
-        requests (reproducibility) get no budget.
-        The context K/V of every verified token is written whatever q is.
+        spec_token_ids, any length (0 too). The context K/V of every verified
+        token is written (or queued, when nothing is drafted) whatever q is.
         """
+        q, self._planned_q = self._planned_q, None
+        if q is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
+            q = self._begin_adaptive(time.perf_counter(), inputs.next_token_ids.shape[0],
+                                     inputs.target_positions.shape[0], inputs.num_rejected_tokens_gpu,
+                                     inputs.sampling_metadata)
+        drafts, conf = self._propose_block(q, inputs, confidence=True)
+        return self._finish_adaptive(drafts, conf)
+
+    def _begin_adaptive(self, t0: float, batch_size: int, num_tokens: int,
+                        num_rejected_tokens_gpu: torch.Tensor | None, sampling_metadata: SamplingMetadata) -> int:
+        """The step's query length q, after the last step's outcomes are learned.
+
+        From the runner's batch: the request ids (rows move between steps:
+        outcomes are matched by id), how many drafts each request had verified
+        this step (`input_batch.spec_token_ids`, what the scheduler actually
+        scheduled) and, with `num_rejected_tokens_gpu`, how many were accepted;
+        partial prefills (`discard_request_mask`) and seeded sampled requests
+        (reproducibility) get no budget."""
         adaptive, runner = self.adaptive, self.runner
-        num_rejected_tokens_gpu, sampling_metadata = inputs.num_rejected_tokens_gpu, inputs.sampling_metadata
-        batch_size = inputs.next_token_ids.shape[0]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
-        t0 = time.perf_counter()
         batch = runner.input_batch
         req_ids = batch.req_ids[:batch_size]
         verified = np.fromiter((len(batch.spec_token_ids[i]) for i in range(batch_size)), np.int64, batch_size)
@@ -366,10 +439,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
             for row in sampling_metadata.generators:
                 if row < batch_size and not greedy[row]:
                     eligible[row] = False
-        plan = adaptive.begin(t0, req_ids, verified, accepted, inputs.target_positions.shape[0],
-                              greedy, eligible)
-        q = self._same_on_every_rank(plan.q)
-        drafts, conf = self._propose_block(q, inputs, confidence=True)
+        plan = adaptive.begin(t0, req_ids, verified, accepted, num_tokens, greedy, eligible)
+        return self._same_on_every_rank(plan.q)
+
+    def _finish_adaptive(self, drafts: torch.Tensor, conf: tuple[torch.Tensor, torch.Tensor] | None) -> list[list[int]]:
+        """Budgets for the drafted block [B, q] (q = 0: none) and each request's list."""
+        adaptive = self.adaptive
+        batch_size, q = drafts.shape
         if q == 0:
             feature = prior = np.zeros((batch_size, 0))
             rows: list[list[int]] = [[] for _ in range(batch_size)]
@@ -378,7 +454,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             feature, prior = (c.cpu().numpy() for c in conf)
         budgets = adaptive.choose(time.perf_counter(), feature, prior)
         out = [row[:b] for row, b in zip(rows, budgets.tolist())]
-        adaptive.end(time.perf_counter())
+        adaptive.end(time.perf_counter(), not_drafting=self._held_context_seconds)
+        self._held_context_seconds = 0.0
         return out
 
     def _same_on_every_rank(self, q: int) -> int:

@@ -1,0 +1,82 @@
+"""The queue of context writes held back while adaptive speculation drafts nothing
+(vllm_dflash.serving.context_queue): written later in one batch, the draft's cache
+must end exactly as per-step writes would have left it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, last_write_per_slot
+
+
+def rows(n: int, first_slot: int, width: int = 6, seed: int = 0) -> ContextRows:
+    g = torch.Generator().manual_seed(seed)
+    return ContextRows(torch.randn(n, width, generator=g), torch.arange(n) + 100 * seed,
+                       torch.arange(first_slot, first_slot + n))
+
+
+def write(cache: torch.Tensor, batch: ContextRows) -> None:
+    """A store that writes rows in any order, as a parallel kernel may (reversed here)."""
+    for i in reversed(range(batch.slots.shape[0])):
+        slot = int(batch.slots[i])
+        if slot >= 0:
+            cache[slot] = batch.features[i]
+
+
+def test_last_write_per_slot_keeps_only_the_last_row_of_each_slot():
+    slots = torch.tensor([5, 7, -1, 5, 9, 7, 5, -1])
+    assert last_write_per_slot(slots).tolist() == [-1, -1, -1, -1, 9, 7, 5, -1]
+    unique = torch.tensor([3, 1, 2])
+    assert last_write_per_slot(unique) is unique
+    assert last_write_per_slot(torch.tensor([4])).tolist() == [4]
+
+
+def test_a_batched_write_leaves_the_cache_of_per_step_writes():
+    """Steps whose slots overlap (a finished request's slots reused by a later one):
+    the queued batch, written in any row order, ends with the later rows."""
+    steps = [rows(3, 0, seed=1), rows(2, 10, seed=2), rows(4, 1, seed=3), rows(1, 10, seed=4)]
+    per_step = torch.zeros(16, 6)
+    for step in steps:
+        write(per_step, step)
+    queue = DeferredContext(max_rows=100)
+    for step in steps[:-1]:
+        assert queue.hold(step)
+    assert queue.rows == 9
+    batched = torch.zeros(16, 6)
+    write(batched, queue.take(steps[-1]))
+    assert torch.equal(batched, per_step)
+    assert queue.rows == 0 and queue.take() is None
+
+
+def test_held_rows_are_copies():
+    """The runner reuses its position and slot buffers (and a target pass's hidden states) next step."""
+    step = rows(2, 0)
+    queue = DeferredContext(max_rows=8)
+    assert queue.hold(step)
+    expected = [t.clone() for t in step]
+    for t in step:
+        t.fill_(-7)
+    taken = queue.take()
+    assert all(torch.equal(a, b) for a, b in zip(taken, expected))
+
+
+def test_a_full_queue_refuses_and_take_writes_everything_in_order():
+    queue = DeferredContext(max_rows=5)
+    assert queue.hold(rows(3, 0, seed=1))
+    assert not queue.hold(rows(3, 3, seed=2))  # 6 > 5: the caller writes now
+    assert queue.rows == 3
+    batch = queue.take(rows(3, 3, seed=2))
+    assert batch.slots.tolist() == [0, 1, 2, 3, 4, 5]
+    assert batch.positions.tolist() == [100, 101, 102, 200, 201, 202]
+
+
+def test_multi_row_positions_are_never_held():
+    """M-RoPE positions ([3, n]) would not concatenate by row: such steps write at once."""
+    step = ContextRows(torch.zeros(2, 4), torch.zeros(3, 2, dtype=torch.long), torch.arange(2))
+    assert not DeferredContext(max_rows=8).hold(step)
+
+
+def test_max_rows_must_be_positive():
+    with pytest.raises(ValueError, match="max_rows=0"):
+        DeferredContext(0)
