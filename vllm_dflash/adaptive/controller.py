@@ -17,6 +17,10 @@ Two decisions per step:
    give request i the b_i in [0, q] of its positions among them (S falls
    along a draft, so the chosen positions form a prefix of each draft).
 
+The curves' seconds for drafting and for not drafting are each scaled by
+how long cycles of that kind really took against their forecast, per batch
+size (`realized`): what the fits cannot see still reaches the decision.
+
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
 size the cost model keeps a knot for, unless measured sizes on both sides
@@ -38,6 +42,7 @@ import numpy as np
 
 from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
 from vllm_dflash.adaptive.cost_model import StepCost
+from vllm_dflash.adaptive.realized import RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, FORCED = "optimal", "warmup", "explore", "forced"
 
@@ -93,6 +98,7 @@ class BudgetController:
         self._warmup_done: dict[int, int] = {}
         self._warmup_total = 0
         self._knots = self.step_cost.r_knots.tolist()
+        self.realized = RealizedRatio(self._knots)
         self._decisions = 0
         # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds).
         self._cache: dict[int, tuple] = {}
@@ -161,7 +167,9 @@ class BudgetController:
     def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
         """The cost curves at this batch size and the planned q, recomputed every
         `refresh_steps` decisions (costs and acceptance drift slowly; replanning
-        every step would cost more than it changes)."""
+        every step would cost more than it changes). The predicted seconds of
+        drafting and of not drafting are scaled by how long cycles of each kind
+        took against their forecast (`realized`)."""
         requests = len(req_ids)
         self._decisions += 1
         entry = self._cache.get(requests)
@@ -171,7 +179,8 @@ class BudgetController:
             draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
             prior = self.prior.rows(req_ids, kinds, self.per_request_prior)
             values, seconds, full = self.plan_values(prior, requests, step, draft)
-            q = int(np.argmax(values))
+            no_draft, drafting = self.realized.factors(requests)
+            q = int(np.argmax(values / np.where(np.arange(len(values)) == 0, no_draft, drafting)))
             entry = (self._decisions, step, draft, q, float(seconds[q]), full)
             self._cache[requests] = entry
         return entry[1:]
@@ -205,6 +214,15 @@ class BudgetController:
         values = np.where(use0, value0, best_value)
         seconds = np.where(use0, step[0], step[count[rows, best]]) + draft
         return values, seconds, float(step[-1] + draft[-1])
+
+    def forecast_seconds(self, requests: int, q: int, total_budget: int) -> float:
+        """The cycle time the curves predict for drafting q and verifying `total_budget`
+        positions at this batch size, from the plan's cached curves (0: none cached)."""
+        entry = self._cache.get(requests)
+        if entry is None:
+            return 0.0
+        step, draft = entry[1], entry[2]
+        return float(step[min(total_budget, len(step) - 1)] + draft[min(q, len(draft) - 1)])
 
     # -------------------------------------------------------------- budgets --
 

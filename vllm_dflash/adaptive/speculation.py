@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
-from vllm_dflash.adaptive.controller import BudgetController, ForcedSchedule, Plan
+from vllm_dflash.adaptive.controller import EXPLORE, OPTIMAL, BudgetController, ForcedSchedule, Plan
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
 
@@ -85,6 +85,7 @@ class AdaptiveSpeculation:
         self._steps_since_learning = 0
         self._prev_req_ids: set[str] = set()
         self._prev_end: float | None = None
+        self._prev_cycle: tuple[int, float, float] | None = None  # (q, forecast seconds, draft seconds) of the last call
         self._step: StepState | None = None
 
     @property
@@ -105,7 +106,11 @@ class AdaptiveSpeculation:
         steady = (self._prev_end is not None and requests > 0 and self._prev_req_ids.issuperset(req_ids)
                   and num_tokens == requests + int(num_verified.sum()))
         if steady:
-            self.controller.step_cost.observe(requests, num_tokens / requests, now - self._prev_end)
+            outside = now - self._prev_end
+            self.controller.step_cost.observe(requests, num_tokens / requests, outside)
+            if self._prev_cycle is not None and len(self._prev_req_ids) == requests:
+                q, forecast, drafting = self._prev_cycle  # that call's cycle ends here
+                self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
         kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
         eligible = np.asarray(eligible, dtype=bool)
         planner = self.schedule or self.controller
@@ -184,8 +189,13 @@ class AdaptiveSpeculation:
         if st is None:
             return
         requests = len(st.req_ids)
+        drafting = max(now - st.t0 - not_drafting, 0.0)
         if requests:
-            self.controller.draft_cost.observe(requests, st.plan.q + 1, max(now - st.t0 - not_drafting, 0.0))
+            self.controller.draft_cost.observe(requests, st.plan.q + 1, drafting)
+        forecast = 0.0
+        if requests and st.plan.reason in (OPTIMAL, EXPLORE):  # forced and warm-up plans: no forecast
+            forecast = self.controller.forecast_seconds(requests, st.plan.q, int(st.budgets.sum()))
+        self._prev_cycle = (st.plan.q, forecast, drafting)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)

@@ -1,0 +1,84 @@
+"""Realised against forecast cycle time (vllm_dflash.adaptive.realized): cost curves
+that are wrong in a way their fits cannot see are corrected by how long the step
+cycles took, per batch size and apart for drafting and not drafting."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vllm_dflash.adaptive.calibration import GREEDY
+from vllm_dflash.adaptive.controller import OPTIMAL, BudgetController
+from vllm_dflash.adaptive.realized import RealizedRatio
+from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
+
+K = 15
+
+
+def test_ratio_is_recovered_per_kind_and_batch_size():
+    r = RealizedRatio([1, 2, 4, 8, 16], memory=1e9, min_cycles=8)  # (no forgetting here)
+    for _ in range(7):
+        r.observe(8, True, forecast=0.1, seconds=0.2)  # twice as long as forecast
+    assert r.factors(8) == (1.0, 1.0)  # not enough cycles yet
+    r.observe(8, True, forecast=0.1, seconds=0.2)
+    assert r.factors(8) == pytest.approx((1.0, 2.0))
+    assert r.factors(7) == pytest.approx((1.0, 2.0))  # nearest knot
+    assert r.factors(16) == (1.0, 1.0) and r.factors(4) == (1.0, 1.0)
+    for _ in range(8):
+        r.observe(8, False, forecast=0.1, seconds=0.08)
+    assert r.factors(8) == pytest.approx((0.8, 2.0))
+
+
+def test_ratio_forgets_and_clips():
+    r = RealizedRatio([1], memory=8, min_cycles=2, clip=4.0)
+    for _ in range(40):
+        r.observe(1, True, forecast=0.01, seconds=1.0)  # 100x: clipped to 4x
+    assert r.factors(1)[1] == pytest.approx(4.0)
+    for _ in range(80):  # the machine changed: now as forecast
+        r.observe(1, True, forecast=1.0, seconds=1.0)
+    assert r.factors(1)[1] == pytest.approx(1.0, abs=0.01)
+    r.observe(1, True, forecast=0.0, seconds=1.0)  # no forecast: ignored
+    assert math.isfinite(r.log_sum.sum()) and r.factors(1)[1] == pytest.approx(1.0, abs=0.01)
+
+
+def test_drafting_slower_than_forecast_is_planned_away():
+    """The fitted curves say drafting pays a little; drafting cycles took 1.6x their
+    forecast, no-draft cycles their forecast: the plan becomes no draft."""
+    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0, refresh_steps=1)
+    for t in range(1, K + 2):
+        for _ in range(3):
+            c.step_cost.observe(8, t, 1e-3 * (1 + 0.05 * (t - 1)))
+            c.draft_cost.observe(8, t, 2e-4 * t)
+    c._warmup_done[c._warmup_key(8)] = c.warmup_steps
+    c._warmup_total += c.warmup_steps
+    ids = [f"r{i}" for i in range(8)]
+    c.prior.record(ids, np.full(8, GREEDY), np.tile(np.cumprod(np.full(K, 0.6)), (8, 1)))
+    kinds = np.full(8, GREEDY)
+    first = c.plan(ids, kinds)
+    assert first.q > 0 and first.reason == OPTIMAL
+    forecast = c.forecast_seconds(8, first.q, 8)
+    assert forecast == pytest.approx(c.step_cost.predict(8, [2.0])[0] + c.draft_cost.predict(8, [first.q + 1.0])[0])
+    for _ in range(10):
+        c.realized.observe(8, True, forecast, 1.6 * forecast)
+        c.realized.observe(8, False, 1e-3, 1e-3)
+    assert c.plan(ids, kinds).q == 0
+
+
+def test_speculation_reports_each_steady_cycle_against_its_forecast():
+    """Cycle = the call's drafting + the next step outside drafting, against the curves'
+    forecast for the q and budgets it ran."""
+    spec = AdaptiveSpeculation(K, 8, warmup_steps=0, knot_warmup_steps=0)
+    c = spec.controller
+    c.step_cost.observe(2, 1.0, 4e-3)
+    c.draft_cost.observe(2, 1.0, 1e-3)
+    plan = spec.begin(0.0, ["a", "b"], np.array([0, 0]), np.array([0, 0]), 2, np.ones(2, bool), np.ones(2, bool))
+    assert plan.q == 0 and plan.reason == OPTIMAL
+    spec.choose(0.001, np.zeros((2, 0)), np.zeros((2, 0)))
+    spec.end(0.002)  # drafting 2 ms, q = 0
+    spec.begin(0.010, ["a", "b"], np.array([0, 0]), np.array([0, 0]), 2, np.ones(2, bool), np.ones(2, bool))
+    key = c.realized.key(2)
+    assert c.realized.weight[key].tolist() == [1.0, 0.0]  # one no-draft cycle
+    # 2 ms drafting + 8 ms outside, against the 1 ms + 4 ms forecast
+    assert c.realized.log_sum[key, 0] == pytest.approx(math.log(10e-3 / 5e-3))

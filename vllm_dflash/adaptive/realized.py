@@ -1,0 +1,63 @@
+"""How long each step cycle took against what the cost curves forecast for it.
+
+A plan's value (tokens per second of the cycle: this step's drafting plus
+the next step's verification) divides expected tokens by the seconds the
+fitted curves predict, D(R, q + 1) + E(R, R + B). The curves can be off in
+ways their fits never see: a cost spread over the wrong regime, a batch size
+measured in a few noisy steps, work that only runs when drafts exist. So
+every steady cycle reports realised / forecast seconds (the forecast for the
+q and B it actually ran), kept per batch-size knot, apart for cycles that
+drafted (q > 0) and cycles that did not; each kind's predicted seconds are
+scaled by its geometric-mean ratio once it has `min_cycles` cycles' worth of
+evidence. Only time is corrected here: acceptance has its own calibration,
+and the time of a cycle does not depend on the text, so a factor learned on
+one kind of request holds for the next. The ratios forget (`memory` cycles),
+and exploration keeps both kinds measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+NO_DRAFT, DRAFT = 0, 1
+
+
+class RealizedRatio:
+    """Per (batch-size knot, drafted or not): forgetting mean of log(realised / forecast seconds)."""
+
+    def __init__(self, knots, memory: float = 32.0, min_cycles: float = 8.0, clip: float = 4.0):
+        if memory < 1 or min_cycles <= 0 or clip <= 1:
+            raise ValueError("RealizedRatio needs memory >= 1, min_cycles > 0, clip > 1")
+        self.knots = [float(k) for k in knots]
+        self.memory, self.min_cycles, self.log_clip = float(memory), float(min_cycles), math.log(clip)
+        self.log_sum = np.zeros((len(self.knots), 2))
+        self.weight = np.zeros((len(self.knots), 2))
+
+    def key(self, requests: int) -> int:
+        """The nearest knot."""
+        i = bisect.bisect_left(self.knots, requests)
+        if i == len(self.knots) or (i > 0 and requests - self.knots[i - 1] < self.knots[i] - requests):
+            i -= 1
+        return i
+
+    def observe(self, requests: int, drafted: bool, forecast: float, seconds: float) -> None:
+        """One cycle took `seconds` where the curves forecast `forecast` (<= 0: none)."""
+        if not (forecast > 0 and seconds > 0 and requests > 0):
+            return
+        x = min(max(math.log(seconds / forecast), -self.log_clip), self.log_clip)
+        i, j = self.key(requests), int(drafted)
+        keep = 1.0 - 1.0 / self.memory
+        self.log_sum[i, j] = self.log_sum[i, j] * keep + x
+        self.weight[i, j] = self.weight[i, j] * keep + 1.0
+
+    def factors(self, requests: int) -> tuple[float, float]:
+        """(no-draft, drafting) factors on forecast seconds at this batch size; 1 where unmeasured."""
+        i = self.key(requests)
+        out = []
+        for j in (NO_DRAFT, DRAFT):
+            w = self.weight[i, j]
+            out.append(math.exp(self.log_sum[i, j] / w) if w >= self.min_cycles - 1e-6 else 1.0)
+        return out[0], out[1]
