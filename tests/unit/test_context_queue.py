@@ -80,3 +80,18 @@ def test_multi_row_positions_are_never_held():
 def test_max_rows_must_be_positive():
     with pytest.raises(ValueError, match="max_rows=0"):
         DeferredContext(0)
+
+
+def test_owned_features_are_held_without_a_copy():
+    """The proposer's own concatenation of the target's hidden states is nobody else's:
+    it is queued as it is (positions and slots, the runner's buffers, are still copied)."""
+    step = rows(2, 0)
+    queue = DeferredContext(max_rows=8)
+    assert queue.hold(step, features_owned=True)
+    assert queue.hold(rows(1, 5, seed=1))
+    taken = queue.take()
+    assert taken.features[:2].data_ptr() != step.features.data_ptr()  # (concatenated on take)
+    queue = DeferredContext(max_rows=8)
+    queue.hold(step, features_owned=True)
+    held = queue.take()
+    assert held.features is step.features and held.positions is not step.positions

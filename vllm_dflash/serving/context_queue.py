@@ -66,13 +66,15 @@ class DeferredContext:
     def rows(self) -> int:
         return self._rows
 
-    def hold(self, rows: ContextRows) -> bool:
-        """Queue a copy of `rows` (the runner reuses its buffers); False, queueing
+    def hold(self, rows: ContextRows, features_owned: bool = False) -> bool:
+        """Queue a copy of `rows` (the runner reuses its buffers; `features_owned`: the
+        features are a tensor nobody else holds, queued as they are); False, queueing
         nothing, when the queue would pass `max_rows`: write now, with `take()`."""
         n = rows.features.shape[0]
         if self._rows + n > self.max_rows or rows.positions.dim() != 1:  # (M-RoPE positions: write now)
             return False
-        self._queued.append(ContextRows(*(t.clone() for t in rows)))
+        features = rows.features if features_owned else rows.features.clone()
+        self._queued.append(ContextRows(features, rows.positions.clone(), rows.slots.clone()))
         self._rows += n
         return True
 

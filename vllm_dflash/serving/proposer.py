@@ -336,11 +336,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
             conf = tuple(c.view(batch_size, q) for c in conf)
         return self.last_draft_block, conf
 
-    def _write_context(self, rows: ContextRows, hold: bool) -> None:
+    def _write_context(self, rows: ContextRows, hold: bool, features_owned: bool = False) -> None:
         """Write the context K/V of `rows` now, with whatever steps without drafting
         queued before (`serving.context_queue`); or, with `hold` (this step drafts
         nothing), queue them while the queue has room."""
-        if hold and self.deferred_context.hold(rows):
+        if hold and self.deferred_context.hold(rows, features_owned):
             return
         if not self.deferred_context.rows:
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
@@ -380,13 +380,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         batch_size = common_attn_metadata.num_reqs
-        q = self._begin_adaptive(t0, batch_size, num_tokens, None, sampling_metadata)
+        q = self._begin_adaptive(t0, batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
         if q > 0:
             self._planned_q = q
             return None
-        rows = ContextRows(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
-                           runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
-        self._write_context(rows, hold=True)
+        features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)  # a new tensor: held as it is
+        rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
+        self._write_context(rows, hold=True, features_owned=True)
         self._last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         return self._finish_adaptive(self.last_draft_block, None)
@@ -409,7 +409,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         return self._finish_adaptive(drafts, conf)
 
     def _begin_adaptive(self, t0: float, batch_size: int, num_tokens: int,
-                        num_rejected_tokens_gpu: torch.Tensor | None, sampling_metadata: SamplingMetadata) -> int:
+                        num_rejected_tokens_gpu: torch.Tensor | None, sampling_metadata: SamplingMetadata,
+                        nothing_verified: bool = False) -> int:
         """The step's query length q, after the last step's outcomes are learned.
 
         From the runner's batch: the request ids (rows move between steps:
@@ -421,14 +422,18 @@ class DFlashProposer(SpecDecodeBaseProposer):
         adaptive, runner = self.adaptive, self.runner
         batch = runner.input_batch
         req_ids = batch.req_ids[:batch_size]
-        verified = np.fromiter((len(batch.spec_token_ids[i]) for i in range(batch_size)), np.int64, batch_size)
+        if nothing_verified:
+            verified = np.zeros(batch_size, dtype=np.int64)
+        else:
+            verified = np.fromiter((len(batch.spec_token_ids[i]) for i in range(batch_size)), np.int64, batch_size)
         if num_rejected_tokens_gpu is None:
             accepted = verified
         else:
             accepted = np.maximum(verified - num_rejected_tokens_gpu[:batch_size].cpu().numpy(), 0)
-        greedy = sampling_params.greedy_mask(
-            None if sampling_metadata.all_greedy else sampling_metadata.temperature, batch_size, self.device)
-        greedy = greedy.cpu().numpy()
+        if sampling_metadata.all_greedy:
+            greedy = np.ones(batch_size, dtype=bool)
+        else:
+            greedy = sampling_params.greedy_mask(sampling_metadata.temperature, batch_size, self.device).cpu().numpy()
         eligible = ~runner.discard_request_mask.np[:batch_size].astype(bool)
         # A seeded sampled request must give the same tokens every time it is sent: how much
         # randomness verification draws from its generator depends on its draft lengths, which
