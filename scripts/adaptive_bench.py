@@ -3,11 +3,14 @@
     python scripts/adaptive_bench.py --rounds 3 --prefix runs/adaptive
     python scripts/adaptive_bench.py --rounds 3 --prefix runs/adaptive --summarize-only
 
-Each round runs, for each dtype, `vllm-dflash bench` once per mode (none,
-static dflash at each --static-k, dflash-adaptive; the order rotates from
-round to round) into PREFIX-<dtype>-<mode>-r<round>/, every engine fresh,
-over the whole concurrency sweep with the code, math, prose and mixed
-categories. The summary (`vllm_dflash.bench.adaptive_report`: ratios within
+Each round runs, for each dtype, `vllm-dflash bench --interleave` with every
+mode (none, static dflash at each --static-k, dflash-adaptive; the order
+rotates from round to round) into PREFIX-<dtype>-all-r<round>/: the engines
+are fresh each round and take turns cell by cell, so each ratio compares
+measurements seconds apart (this machine's speed drifts by tens of percent
+over minutes); --sequential runs one `vllm-dflash bench` per mode instead,
+into PREFIX-<dtype>-<mode>-r<round>/. The sweep covers every concurrency
+with the code, math, prose and mixed categories. The summary (`vllm_dflash.bench.adaptive_report`: ratios within
 a round, median over rounds, PASS/FAIL per check) is printed and written to
 PREFIX-summary.json, PREFIX-summary.md and PREFIX-summary.png, with the
 machine, the load average and the wall time of each round.
@@ -29,9 +32,15 @@ from vllm_dflash.bench import adaptive_report
 from vllm_dflash.machine import describe, machine_info
 
 
-def modes(args) -> list[tuple[str, list[str]]]:
-    """(name, extra bench flags) of every engine group of a round."""
+def modes(args, rnd: int = 1) -> list[tuple[str, list[str]]]:
+    """(name, extra bench flags) of every engine group of a round (one group with --interleave;
+    the order of the modes rotates from round to round)."""
     static = ",".join(str(k) for k in args.static_k)
+    if not args.sequential:
+        names = ["none", "dflash", "dflash-adaptive"]
+        shift = (rnd - 1) % len(names)
+        return [("all", ["--modes", ",".join(names[shift:] + names[:shift]), "--num-spec-tokens", static,
+                         "--interleave"])]
     return [("none", ["--modes", "none"]),
             ("static", ["--modes", "dflash", "--num-spec-tokens", static]),
             ("adaptive", ["--modes", "dflash-adaptive", "--num-spec-tokens", str(max(args.static_k))])]
@@ -43,7 +52,7 @@ def out_dir(args, dtype: str, mode: str, rnd: int) -> str:
 
 def run_round(args, rnd: int, bar) -> float:
     start = time.perf_counter()
-    groups = modes(args)
+    groups = modes(args, rnd)
     shift = (rnd - 1) % len(groups)
     for dtype in args.dtypes:
         for name, flags in groups[shift:] + groups[:shift]:
@@ -105,6 +114,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--force", action="store_true", help="rerun modes whose results already exist")
+    p.add_argument("--sequential", action="store_true",
+                   help="one engine at a time, mode after mode (the comparisons then span minutes)")
     p.add_argument("--summarize-only", action="store_true")
     args = p.parse_args()
     args.dtypes = [d for d in args.dtypes.split(",") if d]

@@ -15,6 +15,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from vllm_dflash.bench import metrics, prompts
@@ -95,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", action="store_true",
                    help=f"ask the plugin's proposer for its phase timings ({PROFILE_ENV})")
     g.add_argument("--timeout", type=float, default=3600, help="seconds per mode before giving up")
+    g.add_argument("--interleave", action="store_true",
+                   help="start every mode's engine at once and let them take turns cell by cell (per dtype), so "
+                        "each comparison is measured within seconds, not minutes apart (a machine whose speed "
+                        "drifts); needs memory for all engines")
     g = parser.add_argument_group("draft cost (paper Figure 3, torch on CPU)")
     g.add_argument("--draft-cost", action="store_true", help="also measure draft cost vs block size")
     g.add_argument("--draft-cost-only", action="store_true", help="only the draft-cost measurement, no engines")
@@ -209,9 +214,8 @@ def run_name(mode: str, k: int | None, dtype: str | None = None) -> str:
     return (name if dtype is None else f"{name}-{dtype}").replace("/", "-")
 
 
-def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool = False) -> dict:
-    """Run one mode in a subprocess; its log goes to out_dir/logs/<name>.log. With
-    `resume`, a result already in out_dir for the identical spec is reused."""
+def _prepared(spec: dict, out_dir: str, profile: bool, resume: bool) -> tuple:
+    """(name, spec path, result path, log path, env, result already there or None) of one mode's run."""
     name = run_name(mode_label(spec["mode"], spec.get("draft_sample")), spec.get("num_spec_tokens"),
                     spec.get("dtype_in_name"))
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
@@ -224,7 +228,7 @@ def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool
             same = json.load(f) == json.loads(json.dumps(spec))
         if same:
             with open(result_path) as f:
-                return json.load(f)
+                return name, spec_path, result_path, log_path, None, json.load(f)
     if os.path.isfile(result_path):
         os.remove(result_path)
     with open(spec_path, "w") as f:
@@ -242,18 +246,67 @@ def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool
         env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(spec["threads"])
     if profile and spec["mode"] in ("dflash", "dflash-adaptive"):
         env[PROFILE_ENV] = os.path.abspath(os.path.join(out_dir, "specs", f"{name}.profile.json"))
+    return name, spec_path, result_path, log_path, env, None
+
+
+def _result(name: str, returncode: int, result_path: str, log_path: str) -> dict:
+    if returncode != 0 or not os.path.isfile(result_path):
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-25:])
+        raise RuntimeError(f"mode {name} failed (exit {returncode}); last lines of {log_path}:\n{tail}")
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def _runner_command(spec_path: str, result_path: str) -> list[str]:
+    return [sys.executable, "-m", "vllm_dflash.bench.runner", spec_path, result_path]
+
+
+def launch(spec: dict, out_dir: str, timeout: float, profile: bool, resume: bool = False) -> dict:
+    """Run one mode in a subprocess; its log goes to out_dir/logs/<name>.log. With
+    `resume`, a result already in out_dir for the identical spec is reused."""
+    name, spec_path, result_path, log_path, env, done = _prepared(spec, out_dir, profile, resume)
+    if done is not None:
+        return done
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "vllm_dflash.bench.runner", spec_path, result_path],
+            proc = subprocess.run(_runner_command(spec_path, result_path),
                                   stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"mode {name} ran past --timeout={timeout:g}s; see {log_path}") from None
-    if proc.returncode != 0 or not os.path.isfile(result_path):
-        with open(log_path) as f:
-            tail = "".join(f.readlines()[-25:])
-        raise RuntimeError(f"mode {name} failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
-    with open(result_path) as f:
-        return json.load(f)
+    return _result(name, proc.returncode, result_path, log_path)
+
+
+def launch_interleaved(specs: list[dict], out_dir: str, timeout: float, profile: bool, turn_folder: str) -> list[dict]:
+    """Run every mode's engine at once, taking turns cell by cell (`bench.turns`); results
+    in the order of `specs`. A mode that fails stops the others."""
+    from vllm_dflash.bench import turns
+
+    turns.start(turn_folder)
+    procs = []
+    try:
+        for index, spec in enumerate(specs):
+            spec = {**spec, "turns": {"folder": os.path.abspath(turn_folder), "index": index, "count": len(specs),
+                                      "timeout_s": timeout}}
+            name, spec_path, result_path, log_path, env, _ = _prepared(spec, out_dir, profile, resume=False)
+            log = open(log_path, "w")
+            procs.append((name, subprocess.Popen(_runner_command(spec_path, result_path), stdout=log,
+                                                 stderr=subprocess.STDOUT, env=env), log, result_path, log_path))
+        deadline = time.monotonic() + timeout * len(specs)
+        while any(p.poll() is None for _, p, *_ in procs):
+            failed = [(name, p.returncode) for name, p, *_ in procs if p.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"mode {failed[0][0]} failed (exit {failed[0][1]}); see {out_dir}/logs")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"interleaved modes ran past --timeout={timeout:g}s each; see {out_dir}/logs")
+            time.sleep(0.5)
+        return [_result(name, p.returncode, result_path, log_path) for name, p, _, result_path, log_path in procs]
+    finally:
+        for _, p, log, *_ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
 
 
 def summarize_runs(run_results: list[dict], greedy: bool = True) -> list[dict]:
@@ -488,15 +541,30 @@ def execute(args: argparse.Namespace) -> dict:
         run_results = []
         several = len(args.dtypes) > 1
         todo = [(dtype, *run) for dtype in args.dtypes for run in plan(args)]
-        bar = tqdm(todo, desc="bench", unit="engine")
-        for dtype, mode, k, sample in bar:
-            label = mode_label(mode, sample)
-            bar.set_postfix_str(run_name(label, k, dtype if several else None))
+
+        def run_spec_of(dtype, mode, k, sample) -> dict:
             run_spec = {**spec, "mode": mode, "num_spec_tokens": k, "draft_sample": sample,
                         "engine_kwargs": {**spec["engine_kwargs"], "dtype": dtype}}
             if several:
                 run_spec["dtype_in_name"] = dtype
-            rr = launch(run_spec, args.out, args.timeout, args.profile, args.resume)
+            return run_spec
+
+        if args.interleave:  # per dtype, every mode's engine at once, taking turns cell by cell
+            finished = []
+            for dtype in tqdm(args.dtypes, desc="bench (interleaved)", unit="dtype"):
+                runs = [run for run in todo if run[0] == dtype]
+                results = launch_interleaved([run_spec_of(*run) for run in runs], args.out, args.timeout,
+                                             args.profile, os.path.join(args.out, "specs", f"turns-{dtype}"))
+                finished += zip(runs, results)
+        else:
+            finished = []
+            bar = tqdm(todo, desc="bench", unit="engine")
+            for run in bar:
+                dtype, mode, k, sample = run
+                bar.set_postfix_str(run_name(mode_label(mode, sample), k, dtype if several else None))
+                finished.append((run, launch(run_spec_of(*run), args.out, args.timeout, args.profile, args.resume)))
+        for (dtype, mode, k, sample), rr in finished:
+            label = mode_label(mode, sample)
             rr = {**rr, "mode": label, "dtype": dtype}
             run_results.append(rr)
             doc["runs"].append({"mode": label, "num_spec_tokens": k, "draft_sample": sample, "dtype": dtype,

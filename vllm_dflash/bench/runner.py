@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import math
+import contextlib
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from typing import Any
 
 from vllm_dflash import envs, profiler
 from vllm_dflash.bench.metrics import TIMED_PARTS
+from vllm_dflash.bench.turns import Turns
 from vllm_dflash.patches.model_runner import model_runner_of
 
 # dflash: the plugin drafting k tokens every step (`adaptive: false`); dflash-adaptive:
@@ -144,10 +146,16 @@ def run(spec: dict) -> dict:
     def counters() -> SpecCounters:
         return SpecCounters.from_metrics(llm.get_metrics())
 
+    turns = Turns(**spec["turns"]) if spec.get("turns") else None  # --interleave: engines take turns per cell
+    if turns is not None:
+        turns.ready()
+    turn = turns.turn if turns is not None else contextlib.nullcontext
+
     all_prompts = [p for ps in spec["prompts"].values() for p in ps]
-    for _ in range(spec["warmup"]):  # one batch per batch size: first-call costs stay out of the timing
-        for c in concurrency:
-            generate(batches_for(all_prompts, c)[0])
+    with turn():
+        for _ in range(spec["warmup"]):  # one batch per batch size: first-call costs stay out of the timing
+            for c in concurrency:
+                generate(batches_for(all_prompts, c)[0])
 
     cells = []
     total = len(spec["prompts"]) * len(concurrency) * spec["repeats"]
@@ -160,44 +168,45 @@ def run(spec: dict) -> dict:
                                     "output_digests": []}
             if spec["keep_outputs"]:
                 cell["output_token_ids"] = []
-            start = counters()
-            step0 = profiler.step_split(timer.phases) if timer else None
-            prof0 = read_profile(profile_file)
-            adaptive0 = adaptive.stats.snapshot() if adaptive is not None else None
-            for rep in range(spec["repeats"]):
-                for batch in batches:
-                    t = time.perf_counter()
-                    outs = generate(batch)
-                    cell["wall_s"] += time.perf_counter() - t
-                    for o in outs:
-                        ids = list(o.outputs[0].token_ids)
-                        m = o.metrics
-                        cell["prompt_tokens"] += len(o.prompt_token_ids)
-                        cell["output_tokens"] += len(ids)
-                        req = {"queued_ts": m.queued_ts, "first_token_ts": m.first_token_ts,
-                               "last_token_ts": m.last_token_ts, "num_output_tokens": len(ids)}
-                        sd = getattr(o.outputs[0], "spec_decode_metrics", None)
-                        if sd is not None:
-                            req["spec_histogram"] = list(sd.histogram)
-                            req["spec_draft_tokens"] = int(sd.num_draft_tokens)
-                        cell["requests"].append(req)
-                        if rep == 0:
-                            cell["output_digests"].append(digest(ids))
-                            if spec["keep_outputs"]:
-                                cell["output_token_ids"].append(ids)
-                bar.update(1)
-            cell["counters"] = (counters() - start).to_dict() if spec_cfg else None
-            if timer:
-                now = profiler.step_split(timer.phases)
-                cell.update({name: now[name] - step0[name] for name in TIMED_PARTS})
-                if not spec_cfg:
-                    cell["draft_s"] = 0.0
-            cell["proposer_profile"] = profiler.delta((prof0 or {}).get("phases"),
-                                                      (read_profile(profile_file) or {}).get("phases"))
-            if adaptive is not None:  # what adaptive speculation decided in this cell, and how well it predicted
-                from vllm_dflash.adaptive.stats import difference
+            with turn():  # (one cell per turn with --interleave)
+                start = counters()
+                step0 = profiler.step_split(timer.phases) if timer else None
+                prof0 = read_profile(profile_file)
+                adaptive0 = adaptive.stats.snapshot() if adaptive is not None else None
+                for rep in range(spec["repeats"]):
+                    for batch in batches:
+                        t = time.perf_counter()
+                        outs = generate(batch)
+                        cell["wall_s"] += time.perf_counter() - t
+                        for o in outs:
+                            ids = list(o.outputs[0].token_ids)
+                            m = o.metrics
+                            cell["prompt_tokens"] += len(o.prompt_token_ids)
+                            cell["output_tokens"] += len(ids)
+                            req = {"queued_ts": m.queued_ts, "first_token_ts": m.first_token_ts,
+                                   "last_token_ts": m.last_token_ts, "num_output_tokens": len(ids)}
+                            sd = getattr(o.outputs[0], "spec_decode_metrics", None)
+                            if sd is not None:
+                                req["spec_histogram"] = list(sd.histogram)
+                                req["spec_draft_tokens"] = int(sd.num_draft_tokens)
+                            cell["requests"].append(req)
+                            if rep == 0:
+                                cell["output_digests"].append(digest(ids))
+                                if spec["keep_outputs"]:
+                                    cell["output_token_ids"].append(ids)
+                    bar.update(1)
+                cell["counters"] = (counters() - start).to_dict() if spec_cfg else None
+                if timer:
+                    now = profiler.step_split(timer.phases)
+                    cell.update({name: now[name] - step0[name] for name in TIMED_PARTS})
+                    if not spec_cfg:
+                        cell["draft_s"] = 0.0
+                cell["proposer_profile"] = profiler.delta((prof0 or {}).get("phases"),
+                                                          (read_profile(profile_file) or {}).get("phases"))
+                if adaptive is not None:  # what adaptive speculation decided in this cell, and how well it predicted
+                    from vllm_dflash.adaptive.stats import difference
 
-                cell["adaptive"] = difference(adaptive.stats.snapshot(), adaptive0)
+                    cell["adaptive"] = difference(adaptive.stats.snapshot(), adaptive0)
             cells.append(cell)
     bar.close()
     return {"mode": spec["mode"], "num_spec_tokens": spec.get("num_spec_tokens"), "proposer": proposer,
