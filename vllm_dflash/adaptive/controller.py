@@ -35,13 +35,12 @@ predicted time. Decisions are deterministic for a seed.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
-from vllm_dflash.adaptive.cost_model import StepCost
+from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
 from vllm_dflash.adaptive.realized import RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, FORCED = "optimal", "warmup", "explore", "forced"
@@ -107,11 +106,7 @@ class BudgetController:
 
     def _warmup_key(self, requests: int) -> int:
         """Warm-up is counted per batch-size knot of the cost model (the nearest one)."""
-        knots = self._knots
-        i = bisect.bisect_left(knots, requests)
-        if i == len(knots) or (i > 0 and requests - knots[i - 1] < knots[i] - requests):
-            i -= 1
-        return i
+        return nearest_knot(self._knots, requests)
 
     def in_warmup(self, requests: int) -> bool:
         if not (self.step_cost.ready and self.draft_cost.ready):

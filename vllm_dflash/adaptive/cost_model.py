@@ -46,6 +46,14 @@ def request_knots(max_requests: int) -> np.ndarray:
     return np.array(knots, dtype=np.float64)
 
 
+def nearest_knot(knots: list[float], requests: float) -> int:
+    """Index of the knot nearest to `requests` (the upper one on a tie)."""
+    i = bisect.bisect_left(knots, requests)
+    if i == len(knots) or (i > 0 and requests - knots[i - 1] < knots[i] - requests):
+        i -= 1
+    return i
+
+
 def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) -> np.ndarray:
     """Each y smoothed by a weighted straight-line fit over its neighbours (tricube
     kernel, `bandwidth` in x units, widened 1.5x at a time where the neighbours hold

@@ -17,10 +17,11 @@ and exploration keeps both kinds measured.
 
 from __future__ import annotations
 
-import bisect
 import math
 
 import numpy as np
+
+from vllm_dflash.adaptive.cost_model import nearest_knot
 
 NO_DRAFT, DRAFT = 0, 1
 
@@ -38,10 +39,7 @@ class RealizedRatio:
 
     def key(self, requests: int) -> int:
         """The nearest knot."""
-        i = bisect.bisect_left(self.knots, requests)
-        if i == len(self.knots) or (i > 0 and requests - self.knots[i - 1] < self.knots[i] - requests):
-            i -= 1
-        return i
+        return nearest_knot(self.knots, requests)
 
     def observe(self, requests: int, drafted: bool, forecast: float, seconds: float) -> None:
         """One cycle took `seconds` where the curves forecast `forecast` (<= 0: none)."""
