@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -334,6 +335,22 @@ def test_resume_reuses_a_finished_mode_only_for_the_same_spec(tmp_path, monkeypa
     (cmd, env), = calls
     assert cmd[1:3] == ["-m", "vllm_dflash.bench.runner"]
     assert (env["VLLM_DFLASH_IMPL"], env["OMP_NUM_THREADS"], env["NUMBA_NUM_THREADS"]) == ("vllm", "1", "1")
+
+
+def test_interleaved_mode_that_fails_stops_the_others_with_its_log(tmp_path, monkeypatch):
+    """--interleave: one engine dies, the one waiting for its turn is killed, and the
+    error carries the failed mode's log tail (as a sequential run's does)."""
+    def command(spec_path, result_path):
+        if "none" in os.path.basename(spec_path):
+            return [sys.executable, "-c", "import sys; print('engine exploded here'); sys.exit(3)"]
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    monkeypatch.setattr(cli, "_runner_command", command)
+    specs = [{"mode": m, "num_spec_tokens": k, "prompts": {"a": [[1]]}} for m, k in (("dflash", 3), ("none", None))]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)mode none failed \(exit 3\).*engine exploded here"):
+        cli.launch_interleaved(specs, str(tmp_path), timeout=120, profile=False, turn_folder=str(tmp_path / "t"))
+    assert time.monotonic() - start < 30  # the sleeping engine was not waited for
 
 
 # ---------------------------------------------------------------- end to end

@@ -294,9 +294,9 @@ def launch_interleaved(specs: list[dict], out_dir: str, timeout: float, profile:
                                                  stderr=subprocess.STDOUT, env=env), log, result_path, log_path))
         deadline = time.monotonic() + timeout * len(specs)
         while any(p.poll() is None for _, p, *_ in procs):
-            failed = [(name, p.returncode) for name, p, *_ in procs if p.poll() not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"mode {failed[0][0]} failed (exit {failed[0][1]}); see {out_dir}/logs")
+            for name, p, log, result_path, log_path in procs:
+                if p.poll() not in (None, 0):  # raises with the log's tail, as launch() does
+                    _result(name, p.returncode, result_path, log_path)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"interleaved modes ran past --timeout={timeout:g}s each; see {out_dir}/logs")
             time.sleep(0.5)

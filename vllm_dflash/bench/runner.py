@@ -19,11 +19,11 @@ batch of c requests never has more than c running.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import math
-import contextlib
 import os
 import sys
 import time

@@ -376,11 +376,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
             return None
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len > 0:
             return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         batch_size = common_attn_metadata.num_reqs
-        q = self._begin_adaptive(t0, batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
+        q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
         if q > 0:
             self._planned_q = q
             return None
@@ -400,17 +397,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
         """
         q, self._planned_q = self._planned_q, None
         if q is None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
-            q = self._begin_adaptive(time.perf_counter(), inputs.next_token_ids.shape[0],
-                                     inputs.target_positions.shape[0], inputs.num_rejected_tokens_gpu,
-                                     inputs.sampling_metadata)
+            q = self._begin_adaptive(inputs.next_token_ids.shape[0], inputs.target_positions.shape[0],
+                                     inputs.num_rejected_tokens_gpu, inputs.sampling_metadata)
         drafts, conf = self._propose_block(q, inputs, confidence=True)
         return self._finish_adaptive(drafts, conf)
 
-    def _begin_adaptive(self, t0: float, batch_size: int, num_tokens: int,
-                        num_rejected_tokens_gpu: torch.Tensor | None, sampling_metadata: SamplingMetadata,
-                        nothing_verified: bool = False) -> int:
+    def _begin_adaptive(self, batch_size: int, num_tokens: int, num_rejected_tokens_gpu: torch.Tensor | None,
+                        sampling_metadata: SamplingMetadata, nothing_verified: bool = False) -> int:
         """The step's query length q, after the last step's outcomes are learned.
 
         From the runner's batch: the request ids (rows move between steps:
@@ -418,7 +411,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         this step (`input_batch.spec_token_ids`, what the scheduler actually
         scheduled) and, with `num_rejected_tokens_gpu`, how many were accepted;
         partial prefills (`discard_request_mask`) and seeded sampled requests
-        (reproducibility) get no budget."""
+        (reproducibility) get no budget. The drafting clock starts here."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
+        t0 = time.perf_counter()
         adaptive, runner = self.adaptive, self.runner
         batch = runner.input_batch
         req_ids = batch.req_ids[:batch_size]
