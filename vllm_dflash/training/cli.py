@@ -101,7 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation and export")
     g.add_argument("--eval-prompts", default=None, help="held-out prompt file (.json/.jsonl/.txt) for tau")
     g.add_argument("--eval-num", type=int, default=None, help="eval prompts per category (default: all)")
-    g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-max-new-tokens", type=int, default=None,
+                   help="response length of the tau evaluation (default: --max-new-tokens, the length the val "
+                        "tau_est covers; tau falls as responses grow, so shorter evals read higher)")
     g.add_argument("--eval-draft", default=None,
                    help="only measure tau of this exported draft on --eval-prompts (no data, no training)")
     g.add_argument("--eval-every", type=int, default=0, help="steps between tau evaluations (0: at the end)")
@@ -112,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--feature-dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="storage dtype of the cached target features (default: the dtype the target computes "
                         "in, so training reads exactly the features decoding sees; bf16 halves the disk of fp32)")
+    g.add_argument("--features", choices=("cache", "online"), default="cache",
+                   help="cache (default): the target's features computed once into memory-mapped shards under "
+                        "OUT; online: computed by the target at every step (no disk, a target forward per "
+                        "step: for targets whose cache would not fit, e.g. Qwen3-8B at 40 KB per token)")
     g.add_argument("--stop-after", choices=STAGES, default="export", help="last stage to run")
 
 
@@ -169,6 +175,12 @@ def feature_dtype(args, target) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
+def eval_new_tokens(args) -> int:
+    """The eval decodes responses as long as the training ones, so its tau and the val tau_est
+    measure the same thing (second toy target: 5.90 at 128 tokens, 4.30 at 384, tau_est 4.33)."""
+    return args.eval_max_new_tokens or args.max_new_tokens
+
+
 def load_eval_prompts(args, tokenizer):
     """--eval-prompts, --eval-num per category, chained into --eval-turns conversations."""
     from vllm_dflash.training import data
@@ -193,14 +205,14 @@ def eval_only(args, device) -> int:
     target = load_target(args, device, precision.resolve(args.autocast, device))
     draft = load_draft(args.eval_draft, device=device, dtype=torch.float32, target_config=target.config)
     prompts = load_eval_prompts(args, tokenizer)
-    result = measure_tau(target, draft, prompts, args.eval_max_new_tokens,
+    result = measure_tau(target, draft, prompts, eval_new_tokens(args),
                          data.stop_token_ids(args.target, tokenizer), tokenizer=tokenizer)
     os.makedirs(args.out, exist_ok=True)
     name = os.path.basename(os.path.normpath(args.eval_draft))
     base = os.path.join(args.out, f"tau-{name}" + (f"-turns{args.eval_turns}" if args.eval_turns > 1 else ""))
     with open(base + ".json", "w") as f:
         json.dump({"draft": os.path.abspath(args.eval_draft), "target": os.path.abspath(args.target),
-                   "max_new_tokens": args.eval_max_new_tokens, "prompts_per_category": args.eval_num,
+                   "max_new_tokens": eval_new_tokens(args), "prompts_per_category": args.eval_num,
                    "turns": args.eval_turns, "target_dtype": str(next(target.parameters()).dtype),
                    "tau": result}, f, indent=1)
     by_context = result["all"]["by_context"]
@@ -276,7 +288,7 @@ def _run(args, world, device) -> int:
     from vllm_dflash.reference import DFlashDraftModel, new_draft_config
     from vllm_dflash.training.evaluate import format_tau, measure_tau
     from vllm_dflash.training.export import export_draft
-    from vllm_dflash.training.features import build_feature_cache
+    from vllm_dflash.training.features import OnlineFeatures, build_feature_cache, check_cache_fits
     from vllm_dflash.training.loss import default_gamma
     from vllm_dflash.training.trainer import TrainConfig, Trainer
 
@@ -289,11 +301,18 @@ def _run(args, world, device) -> int:
                                     mask_token_id=mask_id, target_layer_ids=args.target_layer_ids,
                                     num_features=args.num_target_layers)
     layer_ids = list(draft_config.dflash_config["target_layer_ids"])
-    cache = build_feature_cache(target, samples, layer_ids,
-                                os.path.join(args.out, "features-" + "_".join(map(str, layer_ids))),
-                                dtype=feature_dtype(args, target), target_name=os.path.abspath(args.target),
-                                rank=world.rank, world_size=world.size)
-    say(f"features: {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}, stored {cache.meta['dtype']}")
+    if args.features == "online":
+        cache = OnlineFeatures(target, samples, layer_ids, feature_dtype(args, target))
+        say(f"features: online, {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}, "
+            f"{cache.meta['dtype']}")
+    else:
+        cache_dir = os.path.join(args.out, "features-" + "_".join(map(str, layer_ids)))
+        dtype = feature_dtype(args, target)
+        check_cache_fits(cache_dir, samples, len(layer_ids) * target.config.get_text_config().hidden_size, dtype)
+        cache = build_feature_cache(target, samples, layer_ids, cache_dir, dtype=dtype,
+                                    target_name=os.path.abspath(args.target), rank=world.rank, world_size=world.size)
+        say(f"features: {len(cache)} sequences, {cache.num_tokens} tokens, layers {layer_ids}, "
+            f"stored {cache.meta['dtype']}")
     if stages[-1] == "features":
         return 0
 
@@ -311,7 +330,7 @@ def _run(args, world, device) -> int:
         stops = data.stop_token_ids(args.target, tokenizer)
 
         def evaluate(draft):
-            return measure_tau(target, draft, eval_prompts, args.eval_max_new_tokens, stops, tokenizer=tokenizer)
+            return measure_tau(target, draft, eval_prompts, eval_new_tokens(args), stops, tokenizer=tokenizer)
 
     draft = DFlashDraftModel(draft_config)
     trainer = Trainer(draft, target.get_input_embeddings().weight, target.get_output_embeddings().weight,
@@ -327,7 +346,8 @@ def _run(args, world, device) -> int:
                "target_layer_ids": layer_ids, "block_size": args.block_size, "num_layers": args.num_layers,
                "anchors": args.anchors, "gamma": gamma, "train_sequences": len(trainer.train_idx),
                "val_sequences": len(trainer.val_idx), "cache_tokens": cache.num_tokens,
-               "autocast_reason": prec.reason, "wall_minutes": (time.time() - start) / 60, **result}
+               "autocast_reason": prec.reason, "max_new_tokens": args.max_new_tokens,
+               "eval_max_new_tokens": eval_new_tokens(args), "wall_minutes": (time.time() - start) / 60, **result}
     if "export" in stages:
         path = export_draft(trainer.draft.cpu().eval(), args.export or os.path.join(run_dir, "draft"),
                             args.export_dtype)
@@ -344,5 +364,5 @@ def _run(args, world, device) -> int:
           f"{train.get('loss', nan):.3f}, val loss {val.get('loss', nan):.3f}, val acc@1 {val.get('acc1', nan):.3f}, "
           f"val tau_est {val.get('tau_est', nan):.2f} (decode chain; block mean {val.get('block_tau', nan):.2f})")
     if result.get("tau"):
-        print("tau: " + format_tau(result["tau"]))
+        print(f"tau (reference loop, {eval_new_tokens(args)} new tokens): " + format_tau(result["tau"]))
     return 0

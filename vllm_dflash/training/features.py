@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -52,6 +53,18 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return features.pop()
 
 
+def padded_features(target, token_lists: list[list[int]], features: TargetFeatures) -> torch.Tensor:
+    """[n, max length, L * hidden] on the target's device for sequences of different lengths."""
+    device = next(target.parameters()).device
+    width = max(len(t) for t in token_lists)
+    ids = torch.zeros(len(token_lists), width, dtype=torch.long)
+    mask = torch.zeros(len(token_lists), width, dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        ids[row, :len(tokens)] = torch.as_tensor(tokens)
+        mask[row, :len(tokens)] = 1
+    return target_features(target, ids.to(device), mask.to(device), features)
+
+
 def _to_numpy(x: torch.Tensor, dtype: str) -> np.ndarray:
     np_dtype, torch_dtype = STORAGE[dtype]
     x = x.to(torch_dtype).contiguous()
@@ -62,6 +75,23 @@ def _save(path: str, array: np.ndarray) -> None:
     tmp = path + ".tmp.npy"
     np.save(tmp, array)
     os.replace(tmp, path)
+
+
+def check_cache_fits(cache_dir: str, samples: list[Sample], feature_dim: int, dtype: str) -> None:
+    """Refuse a cache that the disk under `cache_dir` cannot hold (shards already written count as held)."""
+    need = sum(len(s.tokens) for s in samples) * feature_dim * np.dtype(STORAGE[dtype][0]).itemsize
+    done = 0
+    if os.path.isdir(cache_dir):
+        done = sum(os.path.getsize(os.path.join(cache_dir, f)) for f in os.listdir(cache_dir)
+                   if f.endswith(".features.npy"))
+    parent = cache_dir
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent) or "."
+    free = shutil.disk_usage(parent).free
+    if need - done > free:
+        raise ValueError(f"the feature cache needs {need / 1e9:.1f} GB ({dtype}, {feature_dim} values per token) "
+                         f"but {parent} has {free / 1e9:.1f} GB free: use --features online (the target "
+                         f"computes features at every step), fewer --num-prompts, or another --out")
 
 
 def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cache_dir: str,
@@ -95,7 +125,6 @@ def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cac
         diff = {k: (found.get(k), v) for k, v in meta.items() if found.get(k) != v}
         raise ValueError(f"feature cache {cache_dir} holds other data {diff} (cached, wanted); "
                          "use another --out directory or delete the cache")
-    device = next(target.parameters()).device
     todo = [i for i in range(rank, num_shards, world_size)
             if not os.path.exists(os.path.join(cache_dir, f"{i:05d}.done"))]
     bar = tqdm(total=sum(min(shard_size, len(samples) - i * shard_size) for i in todo),
@@ -113,13 +142,7 @@ def build_feature_cache(target, samples: list[Sample], layer_ids: list[int], cac
             while end < len(order) and (end - start + 1) * lengths[order[end]] <= batch_tokens:
                 end += 1
             idx = order[start:end]
-            width = max(lengths[i] for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros(len(idx), width, dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids[row, :lengths[i]] = torch.tensor(part[i].tokens)
-                mask[row, :lengths[i]] = 1
-            out = target_features(target, ids.to(device), mask.to(device), hooks).cpu()
+            out = padded_features(target, [part[i].tokens for i in idx], hooks).cpu()
             for row, i in enumerate(idx):
                 feats[offsets[i]:offsets[i + 1]] = _to_numpy(out[row, :lengths[i]], dtype)
             bar.update(len(idx))
@@ -162,6 +185,9 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.index)
 
+    def items(self, indices: list[int]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        return [self[i] for i in indices]
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         s, j = self.index[i]
         shard = self.shards[s]
@@ -171,6 +197,45 @@ class FeatureCache:
         if self.meta["dtype"] == "bf16":
             feats = feats.view(torch.bfloat16)
         return tokens, int(shard["prompt_lens"][j]), feats
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+class OnlineFeatures:
+    """The read side of `FeatureCache` without the cache: the target computes a step's
+    features when the step asks for them.
+
+    A cache costs disk per token of L * hidden values (Qwen3-8B, 5 layers, bf16: 40 KB,
+    so 800K sequences of 2K tokens would need 67 TB); online features cost a target
+    forward per step instead, on the device that trains (each rank its own copy).
+    """
+
+    def __init__(self, target, samples: list[Sample], layer_ids: list[int], dtype: str):
+        if dtype not in STORAGE:
+            raise ValueError(f"feature dtype={dtype!r}: choose one of {', '.join(STORAGE)}")
+        if not samples:
+            raise ValueError("no training samples to compute features for")
+        self.target, self.samples, self.layer_ids = target, samples, list(layer_ids)
+        self.meta = {"kind": "online", "layer_ids": self.layer_ids, "dtype": dtype}
+        self.torch_dtype = STORAGE[dtype][1]
+        self.lengths = [len(s.tokens) for s in samples]
+        self._hooks = TargetFeatures(target, self.layer_ids)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @torch.no_grad()
+    def items(self, indices: list[int]) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """One target forward for all of `indices` (features stay on the target's device)."""
+        part = [self.samples[i] for i in indices]
+        out = padded_features(self.target, [s.tokens for s in part], self._hooks).to(self.torch_dtype)
+        return [(torch.as_tensor(s.tokens, dtype=torch.long, device=out.device), s.prompt_len,
+                 out[row, :len(s.tokens)]) for row, s in enumerate(part)]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        return self.items([i])[0]
 
     @property
     def num_tokens(self) -> int:

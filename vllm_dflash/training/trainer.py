@@ -36,7 +36,7 @@ from tqdm import tqdm
 from vllm_dflash import precision
 from vllm_dflash.training import distributed as dist
 from vllm_dflash.training.anchors import sample_anchors
-from vllm_dflash.training.features import FeatureCache
+from vllm_dflash.training.features import FeatureCache, OnlineFeatures
 from vllm_dflash.training.loss import block_labels, block_loss, loss_normalizer, position_weights
 from vllm_dflash.training.masks import block_position_ids, dense_mask, flex_block_mask
 from vllm_dflash.training.tau_estimate import ChainTau, decode_chain, sequence_runs
@@ -162,11 +162,12 @@ class Batch:
     seq_lens: list[int]
 
 
-def collate(cache: FeatureCache, indices: list[int]) -> Batch:
-    items = [cache[i] for i in indices]
+def collate(source: FeatureCache | OnlineFeatures, indices: list[int]) -> Batch:
+    items = source.items(indices)
     width = max(len(t) for t, _, _ in items)
-    tokens = torch.zeros(len(items), width, dtype=torch.long)
-    feats = torch.zeros(len(items), width, items[0][2].shape[-1], dtype=items[0][2].dtype)
+    device = items[0][2].device
+    tokens = torch.zeros(len(items), width, dtype=torch.long, device=device)
+    feats = torch.zeros(len(items), width, items[0][2].shape[-1], dtype=items[0][2].dtype, device=device)
     for row, (t, _, f) in enumerate(items):
         tokens[row, :len(t)] = t
         feats[row, :len(t)] = f
@@ -210,7 +211,8 @@ class BlockForward(torch.nn.Module):
 
 
 class Trainer:
-    def __init__(self, draft, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, cache: FeatureCache,
+    def __init__(self, draft, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 cache: FeatureCache | OnlineFeatures,
                  cfg: TrainConfig, out_dir: str, device: str | torch.device = "cpu",
                  evaluate: Callable | None = None, world: dist.World | None = None):
         cfg.validate()
