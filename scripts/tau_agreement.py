@@ -50,7 +50,9 @@ def speculative_config(draft: str) -> dict:
     verifies shorter blocks where they pay, which lowers tokens per round by design (second toy target:
     3.15 against 4.32 static), so it is switched off here; vLLM's in-tree DFlash has no such key."""
     spec = {"method": "dflash", "model": draft}
-    if os.environ.get("VLLM_DFLASH_IMPL") != "vllm":
+    from vllm_dflash import envs
+
+    if envs.VLLM_DFLASH_IMPL != "vllm":
         spec["adaptive"] = False
     return spec
 

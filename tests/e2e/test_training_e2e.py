@@ -145,3 +145,42 @@ def test_response_cache_is_reused_not_regenerated(run, monkeypatch):
     assert os.path.getsize(cache) == size       # the torn row was cut off before any append
     with pytest.raises(ValueError, match="made with other settings .*max_new_tokens"):
         generate_responses(str(root / "target"), prompts, cache, max_new_tokens=41, max_len=64)
+
+
+def test_init_draft_starts_from_the_exported_weights(run, monkeypatch, capsys):
+    """--init-draft fine-tunes an exported drafter: its shape replaces the flags, and with lr 0 one step
+    exports exactly the weights it loaded (the caches are reused, no engine starts)."""
+    import vllm
+    from safetensors.torch import load_file
+
+    from vllm_dflash.training import cli
+
+    root, _, _ = run
+    with open(root / "out" / "runs" / "r" / "summary.json") as f:
+        exported = json.load(f)["export"]
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("the response cache is complete"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([
+        "--target", str(root / "target"), "--out", str(root / "out"), "--prompts", str(root / "train.jsonl"),
+        "--num-prompts", "96", "--max-new-tokens", "40", "--max-len", "64", "--gen-dtype", "float32",
+        "--num-layers", "3", "--block-size", "8", "--blocks-per-seq", "6", "--batch-size", "16", "--lr", "0",
+        "--steps", "1", "--autocast", "fp32", "--run-name", "ft", "--init-draft", exported,
+        "--export", str(root / "ft"), "--export-dtype", "fp32",
+    ])
+    assert cli.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "--num-layers 3 replaced by --init-draft's 1" in printed
+    before, after = load_file(os.path.join(exported, "model.safetensors")), load_file(str(root / "ft" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor.float()), name
+
+
+def test_init_draft_without_dflash_config_names_the_flag(tmp_path):
+    from vllm_dflash.training import cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 1}))
+    args = argparse.Namespace(init_draft=str(tmp_path))
+    with pytest.raises(ValueError, match=r"--init-draft .*no dflash_config with target_layer_ids and mask_token_id"):
+        cli.adopt_init_draft(args, print)

@@ -131,6 +131,14 @@ class ProposalRecorder:
         self.original_unverified = getattr(drafter, "propose_unverified_step", None)
         if self.original_unverified is not None:
             drafter.propose_unverified_step = self.propose_unverified_step
+        # Per sampled step: None (plain step, vLLM's own sampler) or the longest draft verified.
+        self.verified_spec_len: list[int | None] = []
+        self.original_sample = runner._sample
+        runner._sample = self.sample
+
+    def sample(self, logits, spec_decode_metadata):
+        self.verified_spec_len.append(None if spec_decode_metadata is None else spec_decode_metadata.max_spec_len)
+        return self.original_sample(logits, spec_decode_metadata)
 
     def propose_unverified_step(self, runner, *args):
         drafts = self.original_unverified(runner, *args)
@@ -227,6 +235,8 @@ def _run_workload(llm, k: int | None, phases) -> dict:
             result[f"proposals_{phase}"] = recorder.calls[start:]
             result[f"handed_{phase}"] = recorder.handed[start:]
             result[f"unverified_steps_{phase}"] = recorder.unverified_steps
+    if recorder:
+        result["verified_spec_len"] = recorder.verified_spec_len
     result["preemptions"] = len(preemptions)
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
@@ -456,6 +466,16 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
         # and (all but its first step, which verified the last drafts) it skipped vLLM's drafting
         # glue, its context held back until drafting resumed
         assert run["unverified_steps_batch8"] >= PAUSE[1] - PAUSE[0] - 1
+
+
+def test_steps_without_drafts_run_plain(plugin, adaptive):
+    """A step in which no request verifies a draft is a plain step (no speculative metadata,
+    vLLM's own sampler), and every step with speculative metadata verified drafts."""
+    for name, run in [*((f"k={k}", r) for k, r in plugin.items()), *adaptive.items()]:
+        lens = run["verified_spec_len"]
+        assert None in lens and all(n is None or n > 0 for n in lens), (name, lens[:40])
+        if name in ("jump", "pause"):   # the forced schedules' no-draft decode steps were plain
+            assert lens.count(None) >= run["unverified_steps_batch8"], name
 
 
 def test_acceptance_after_a_pause_equals_never_stopping(baseline, plugin, adaptive):

@@ -79,6 +79,26 @@ def _skip_glue_for_steps_without_drafts() -> None:
     wrap_once(GPUModelRunner, "propose_draft_token_ids", make)
 
 
+def _plain_inputs_for_steps_without_drafts() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            if scheduler_output.scheduled_spec_decode_tokens or not getattr(drafter, "plain_steps_without_drafts",
+                                                                            False):
+                return original(self, scheduler_output, *args, **kwargs)
+            speculative_config, self.speculative_config = self.speculative_config, None
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = speculative_config
+
+        return _prepare_inputs
+
+    wrap_once(GPUModelRunner, "_prepare_inputs", make)
+
+
 ENTRIES: list[VllmInternal] = [
     # ------------------------------------------------------------ patches --
     VllmInternal(
@@ -130,6 +150,27 @@ ENTRIES: list[VllmInternal] = [
         used_by=f"{RUNNER}.sample_tokens",
         usage=("self._draft_token_ids = self.propose_draft_token_ids(",),
         install=_skip_glue_for_steps_without_drafts,
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}._prepare_inputs",
+        kind="patch",
+        process=("worker",),
+        why="a step where no request has a draft to verify (adaptive speculation off for the step, or a "
+        "prefill) is a plain step: vLLM 0.32 still builds speculative metadata for it and sends its one token "
+        "per request through the rejection sampler; the plain path samples what the rejection sampler would "
+        "with nothing to verify, for less",
+        how="wrap: when scheduler_output.scheduled_spec_decode_tokens is empty and the drafter is ours with "
+        "plain_steps_without_drafts (not on hybrid targets, whose recurrent layers read the per-step draft "
+        "counts only the speculative branch fills), run vLLM's method with runner.speculative_config None for "
+        "the call: spec_decode_metadata None, logits at each request's last token, vLLM's plain sampler; "
+        "vLLM's drafting glue has a branch for spec_decode_metadata None",
+        remove_when="vLLM skips speculative metadata for steps without drafts",
+        params=("self", "scheduler_output", "num_scheduled_tokens"),
+        source_has=("use_spec_decode = self.speculative_config is not None",
+                    "scheduler_output.scheduled_spec_decode_tokens.items()"),
+        used_by=f"{RUNNER}.execute_model",
+        usage=("self._prepare_inputs(",),
+        install=_plain_inputs_for_steps_without_drafts,
     ),
     VllmInternal(
         symbol=f"{RUNNER}._get_positions",

@@ -108,6 +108,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
         self.deferred_context = DeferredContext(vllm_config.scheduler_config.max_num_batched_tokens)
+        # A step in which no request verifies a draft runs vLLM's plain inputs and sampler (patches.serving:
+        # _prepare_inputs), except on hybrid targets, whose recurrent layers read per-step draft counts.
+        self.plain_steps_without_drafts = not vllm_config.model_config.is_hybrid
         self._planned_q: int | None = None  # set by propose_unverified_step when it leaves drafting to propose()
         self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
         logger.info(

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-target-layers", type=int, default=None,
                    help="number of target feature layers (z-lab's spacing rule; default: --num-layers)")
     g.add_argument("--target-layer-ids", type=_ints, default=None, help="explicit 0-based feature layers")
+    g.add_argument("--init-draft", default=None,
+                   help="start from this exported drafter (z-lab format) instead of random weights: "
+                        "fine-tuning, e.g. on longer contexts; its layers, block size, feature layers and mask "
+                        "token replace --num-layers, --block-size, --target-layer-ids and --mask-token-id")
     g.add_argument("--mask-token-id", type=int, default=None,
                    help="mask token id (default: the tokenizer's mask token or <|reserved_0|>)")
     g = p.add_argument_group("training")
@@ -131,6 +135,25 @@ def find_mask_token_id(tokenizer, vocab_size: int) -> int:
                 return tid
     raise ValueError("cannot pick a mask token: the tokenizer has no mask or <|reserved_0|> token; "
                      "pass --mask-token-id with an id the target never generates")
+
+
+def adopt_init_draft(args, say) -> None:
+    """The drafter's shape comes from --init-draft's config: its weights fit no other."""
+    from vllm_dflash.reference.checkpoint import load_draft_config
+
+    config = load_draft_config(args.init_draft)
+    dflash = getattr(config, "dflash_config", None) or {}
+    if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
+        raise ValueError(f"--init-draft {args.init_draft}: config.json has no dflash_config with "
+                         "target_layer_ids and mask_token_id; pass an exported DFlash drafter folder")
+    adopted = {"num_layers": config.num_hidden_layers, "block_size": config.block_size,
+               "target_layer_ids": list(dflash["target_layer_ids"]), "mask_token_id": dflash["mask_token_id"]}
+    for name, value in adopted.items():
+        if getattr(args, name) not in (None, value):
+            say(f"--{name.replace('_', '-')} {getattr(args, name)} replaced by --init-draft's {value}")
+        setattr(args, name, value)
+    say(f"init draft: {args.init_draft} ({adopted['num_layers']} layers, block {adopted['block_size']}, "
+        f"feature layers {adopted['target_layer_ids']})")
 
 
 def default_run_name(args, layer_ids: list[int]) -> str:
@@ -260,6 +283,8 @@ def _run(args, world, device) -> int:
     if world.parallel:
         say(f"data parallel: {world.size} processes, global batch {args.batch_size} sequences")
 
+    if args.init_draft:
+        adopt_init_draft(args, say)
     from transformers import AutoConfig
 
     max_pos = getattr(AutoConfig.from_pretrained(args.target).get_text_config(), "max_position_embeddings", None)
@@ -285,7 +310,7 @@ def _run(args, world, device) -> int:
     if stages == ("data",):
         return 0
 
-    from vllm_dflash.reference import DFlashDraftModel, new_draft_config
+    from vllm_dflash.reference import DFlashDraftModel, load_draft, new_draft_config
     from vllm_dflash.training.evaluate import format_tau, measure_tau
     from vllm_dflash.training.export import export_draft
     from vllm_dflash.training.features import OnlineFeatures, build_feature_cache, check_cache_fits
@@ -297,9 +322,14 @@ def _run(args, world, device) -> int:
     vocab = target.config.get_text_config().vocab_size
     mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token_id(tokenizer, vocab)
     torch.manual_seed(args.seed)
-    draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
-                                    mask_token_id=mask_id, target_layer_ids=args.target_layer_ids,
-                                    num_features=args.num_target_layers)
+    init = load_draft(args.init_draft, dtype=torch.float32, target_config=target.config).train() \
+        if args.init_draft else None
+    if init is not None:
+        draft_config = init.config
+    else:
+        draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
+                                        mask_token_id=mask_id, target_layer_ids=args.target_layer_ids,
+                                        num_features=args.num_target_layers)
     layer_ids = list(draft_config.dflash_config["target_layer_ids"])
     if args.features == "online":
         cache = OnlineFeatures(target, samples, layer_ids, feature_dtype(args, target))
@@ -332,7 +362,7 @@ def _run(args, world, device) -> int:
         def evaluate(draft):
             return measure_tau(target, draft, eval_prompts, eval_new_tokens(args), stops, tokenizer=tokenizer)
 
-    draft = DFlashDraftModel(draft_config)
+    draft = init if init is not None else DFlashDraftModel(draft_config)
     trainer = Trainer(draft, target.get_input_embeddings().weight, target.get_output_embeddings().weight,
                       cache, cfg, run_dir, device, evaluate, world)
     if not args.fresh and trainer.load_checkpoint():
