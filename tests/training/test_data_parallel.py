@@ -15,6 +15,7 @@ mis-weighting a rank's share of the batch fails it.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -76,6 +77,7 @@ def runs(tmp_path_factory):
                          env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     two_losses = losses(root, "two")
+    shutil.copytree(root / "out" / "runs" / "two" / "draft", root / "two-process-draft")  # before the resume
     run_in_process(args + ["--steps", str(STEPS), "--run-name", "two"])   # resumes step 3 at world size 1
     return root, target, two, two_losses
 
@@ -109,3 +111,27 @@ def test_only_rank_zero_writes_and_the_export_loads(runs):
     validate_draft_config(load_draft_config(str(run_dir / "draft")), target.config)
     draft = load_draft(str(run_dir / "draft"), target_config=target.config)
     assert draft.block_size == 8 and list(draft.target_layer_ids) == default_target_layer_ids(4, 1)
+
+
+@pytest.mark.vllm
+def test_the_two_process_export_serves_in_the_plugin(runs):
+    """The 2-process run's own export (before the resume) drafts in vLLM through this plugin,
+    and the tokens are the target's greedy ones."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engines import vllm_engine
+    from helpers import random_prompts
+    from vllm_dflash.patches import model_runner_of
+
+    root, target, _, _ = runs
+    prompts = random_prompts(4, MASK_ID, min_len=4, max_len=12, seed=11)
+    spec = {"method": "dflash", "model": str(root / "two-process-draft"), "adaptive": False}
+    with vllm_engine(model=str(root / "target"), skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+                     enforce_eager=True, max_num_seqs=4, speculative_config=spec) as llm:
+        drafter = model_runner_of(llm).drafter
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert f"{type(drafter).__module__}.{type(drafter).__qualname__}" == "vllm_dflash.serving.proposer.DFlashProposer"
+    for p, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == target_greedy_generate(target, torch.tensor([p]), 16)
