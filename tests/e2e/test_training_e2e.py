@@ -171,7 +171,8 @@ def test_init_draft_starts_from_the_exported_weights(run, monkeypatch, capsys):
     assert cli.run(args) == 0
     printed = capsys.readouterr().out
     assert "--num-layers 3 replaced by --init-draft's 1" in printed
-    before, after = load_file(os.path.join(exported, "model.safetensors")), load_file(str(root / "ft" / "model.safetensors"))
+    before = load_file(os.path.join(exported, "model.safetensors"))
+    after = load_file(str(root / "ft" / "model.safetensors"))
     assert sorted(before) == sorted(after)
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor.float()), name
@@ -182,5 +183,6 @@ def test_init_draft_without_dflash_config_names_the_flag(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 1}))
     args = argparse.Namespace(init_draft=str(tmp_path))
-    with pytest.raises(ValueError, match=r"--init-draft .*no dflash_config with target_layer_ids and mask_token_id"):
+    with pytest.raises(ValueError, match=r"--init-draft .*: draft config has dflash_config=None; a DFlash draft "
+                                         r"needs dflash_config = \{'mask_token_id'"):
         cli.adopt_init_draft(args, print)

@@ -139,15 +139,15 @@ def find_mask_token_id(tokenizer, vocab_size: int) -> int:
 
 def adopt_init_draft(args, say) -> None:
     """The drafter's shape comes from --init-draft's config: its weights fit no other."""
+    from vllm_dflash.config import parse_draft_config
     from vllm_dflash.reference.checkpoint import load_draft_config
 
-    config = load_draft_config(args.init_draft)
-    dflash = getattr(config, "dflash_config", None) or {}
-    if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
-        raise ValueError(f"--init-draft {args.init_draft}: config.json has no dflash_config with "
-                         "target_layer_ids and mask_token_id; pass an exported DFlash drafter folder")
-    adopted = {"num_layers": config.num_hidden_layers, "block_size": config.block_size,
-               "target_layer_ids": list(dflash["target_layer_ids"]), "mask_token_id": dflash["mask_token_id"]}
+    try:
+        parsed = parse_draft_config(load_draft_config(args.init_draft))
+    except ValueError as e:
+        raise ValueError(f"--init-draft {args.init_draft}: {e}") from None
+    adopted = {"num_layers": parsed.num_draft_layers, "block_size": parsed.block_size,
+               "target_layer_ids": list(parsed.target_layer_ids), "mask_token_id": parsed.mask_token_id}
     for name, value in adopted.items():
         if getattr(args, name) not in (None, value):
             say(f"--{name.replace('_', '-')} {getattr(args, name)} replaced by --init-draft's {value}")
@@ -322,11 +322,11 @@ def _run(args, world, device) -> int:
     vocab = target.config.get_text_config().vocab_size
     mask_id = args.mask_token_id if args.mask_token_id is not None else find_mask_token_id(tokenizer, vocab)
     torch.manual_seed(args.seed)
-    init = load_draft(args.init_draft, dtype=torch.float32, target_config=target.config).train() \
-        if args.init_draft else None
-    if init is not None:
+    if args.init_draft:   # adopt_init_draft already set the flags from its config
+        init = load_draft(args.init_draft, dtype=torch.float32, target_config=target.config).train()
         draft_config = init.config
     else:
+        init = None
         draft_config = new_draft_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
                                         mask_token_id=mask_id, target_layer_ids=args.target_layer_ids,
                                         num_features=args.num_target_layers)
