@@ -43,7 +43,7 @@ def record(args) -> list[dict]:
 
     import vllm_dflash.serving.proposer as proposer_module
     from vllm_dflash import envs
-    from vllm_dflash.adaptive.confidence import draft_confidence
+    from vllm_dflash.adaptive.confidence import argmax_with_confidence, draft_confidence
 
     calls: list[dict] = []
     os.environ[envs.ADAPTIVE_SCHEDULE_ENV] = "pause:1000000000:1000000001"  # full blocks, always
@@ -61,24 +61,32 @@ def record(args) -> list[dict]:
                       "eligible": np.asarray(eligible).tolist()})
         return original_begin(now, req_ids, verified, accepted, num_tokens, greedy, eligible)
 
-    def both(logits, feature="margin"):
-        margin, margin_prior = draft_confidence(logits, "margin")
+    def record_both(logits):
+        margin, _ = draft_confidence(logits, "margin")
         top1, _ = draft_confidence(logits, "top1")
         calls[-1]["margin"] = margin.cpu().numpy()
         calls[-1]["top1"] = top1.cpu().numpy()
-        return margin, margin_prior
+
+    def both(logits, feature="margin"):  # sampled drafts' path
+        record_both(logits)
+        return draft_confidence(logits, "margin")
+
+    def argmax_both(logits, feature="margin"):  # argmax drafts' path
+        record_both(logits)
+        return argmax_with_confidence(logits, "margin")
 
     original_draft_tokens = runner.drafter._draft_tokens
 
     def draft_tokens(*args, **kwargs):  # what the proposer finally scores drafts with (q(x) for sampled ones)
-        ids, probs, conf = original_draft_tokens(*args, **kwargs)
+        ids, conf = original_draft_tokens(*args, **kwargs)
         if conf is not None:
             calls[-1]["used"], calls[-1]["used_prior"] = (c.cpu().numpy() for c in conf)
-        return ids, probs, conf
+        return ids, conf
 
     adaptive.begin = begin
     runner.drafter._draft_tokens = draft_tokens
     proposer_module.draft_confidence = both
+    proposer_module.argmax_with_confidence = argmax_both
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(os.path.join(args.target, "eval_prompts.json")) as f:
         prompts = json.load(f)

@@ -31,6 +31,24 @@ def test_ratio_is_recovered_per_kind_and_batch_size():
     assert r.factors(8) == pytest.approx((0.8, 2.0))
 
 
+def test_a_kind_that_stops_running_loses_its_factor():
+    """Drafting measured 2x its forecast, then only no-draft cycles run (the plan that
+    factor produced): the drafting factor fades back to 1 (trust the curves, try again)
+    within memory * stale_factor * ln(weight / min_cycles) no-draft cycles, not never."""
+    r = RealizedRatio([1], memory=32, min_cycles=4, stale_factor=4)
+    for _ in range(32):
+        r.observe(1, True, forecast=0.1, seconds=0.2)
+    assert r.factors(1)[1] == pytest.approx(2.0)
+    weight = r.weight[0, 1]
+    fades_after = math.ceil(32 * 4 * math.log(weight / 4)) + 1
+    for _ in range(fades_after - 10):
+        r.observe(1, False, forecast=0.1, seconds=0.1)
+    assert r.factors(1)[1] == pytest.approx(2.0)  # still held: it fades slowly
+    for _ in range(10):
+        r.observe(1, False, forecast=0.1, seconds=0.1)
+    assert r.factors(1) == (pytest.approx(1.0), 1.0)
+
+
 def test_ratio_forgets_and_clips():
     r = RealizedRatio([1], memory=8, min_cycles=2, clip=4.0)
     for _ in range(40):
@@ -64,6 +82,31 @@ def test_drafting_slower_than_forecast_is_planned_away():
         c.realized.observe(8, True, forecast, 1.6 * forecast)
         c.realized.observe(8, False, 1e-3, 1e-3)
     assert c.plan(ids, kinds).q == 0
+
+
+def test_a_plan_is_redone_as_soon_as_its_time_factor_moves():
+    """With the default refresh interval (16 decisions) a wrong plan at a new batch size
+    used to run until the refresh; once the drafting cycles' realised/forecast factor
+    moves by more than 10% the plan is redone at the next decision."""
+    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0)
+    assert c.refresh_steps > 8
+    for t in range(1, K + 2):
+        for _ in range(3):
+            c.step_cost.observe(8, t, 1e-3 * (1 + 0.05 * (t - 1)))
+            c.draft_cost.observe(8, t, 2e-4 * t)
+    c._warmup_done[c._warmup_key(8)] = c.warmup_steps
+    c._warmup_total += c.warmup_steps
+    ids = [f"r{i}" for i in range(8)]
+    c.prior.record(ids, np.full(8, GREEDY), np.tile(np.cumprod(np.full(K, 0.6)), (8, 1)))
+    kinds = np.full(8, GREEDY)
+    first = c.plan(ids, kinds)
+    assert first.q > 0
+    forecast = c.forecast_seconds(8, first.q, 8)
+    for _ in range(5):  # min_cycles of (forgetting) evidence, 1.6x slower than forecast
+        c.realized.observe(8, True, forecast, 1.6 * forecast)
+        c.realized.observe(8, False, 1e-3, 1e-3)
+    assert c.plan(ids, kinds).q == 0  # the second decision: long before a refresh
+    assert not BudgetController._factors_moved((1.0, 1.0), (1.05, 0.95))
 
 
 def test_speculation_reports_each_steady_cycle_against_its_forecast():

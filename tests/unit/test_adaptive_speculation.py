@@ -91,3 +91,34 @@ def test_held_back_context_writes_are_not_draft_time():
     assert spec.controller.draft_cost.predict(1, [K + 1.0])[0] == np.float64(0.004)
     step(spec, 1.010, ["a"], [K], [K], K + 1)
     assert spec.controller.step_cost.predict(1, [K + 1.0])[0] == np.float64(1.0)
+
+
+def test_steady_steps_without_drafts_coast_and_keep_measuring():
+    """Verification dear: once the plan at this batch size is no draft, steady steps with
+    the same requests coast (no plan, no kinds) yet still sample E(R, 1) and D(R, 1) and
+    count in the statistics; a changed batch, or drafts handed out, end the coasting."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0)
+    c = spec.controller
+    for t in range(1, K + 2):  # E grows steeply with verified tokens, drafting too; the
+        c.step_cost.observe(2, t, 8e-3 * t)  # loop below runs exactly the no-draft forecast:
+        c.draft_cost.observe(2, t, 2e-3 * t)  # 2 ms drafting, 8 ms outside
+    ids, now = ["a", "b"], 0.0
+    plan, _ = step(spec, now, ids, [0, 0], [0, 0], 2)
+    assert plan.q == 0
+    coasted, before = 0, (c.step_cost.observations, c.draft_cost.observations)
+    for _ in range(10):
+        now += 0.01
+        if spec.coast(now, list(ids), 2):
+            coasted += 1
+            spec.choose(now + 0.001, np.zeros((2, 0)), np.zeros((2, 0)))
+            spec.end(now + 0.002)
+        else:
+            step(spec, now, ids, [0, 0], [0, 0], 2)
+    assert coasted >= 9  # all but (at most) a replan
+    assert c.step_cost.observations - before[0] == 10 and c.draft_cost.observations - before[1] == 10
+    assert spec.stats.snapshot()["query_hist"][0] == 11 and spec.stats.snapshot()["budget_hist"][0] == 22
+    assert not spec.coast(now + 0.01, ["a", "c"], 2)  # another batch
+    assert not spec.coast(now + 0.01, list(ids), 5)  # not a plain decode step
+    forced = AdaptiveSpeculation(K, 8, schedule="pause:0:100")
+    step(forced, 0.0, ids, [0, 0], [0, 0], 2)
+    assert not forced.coast(0.01, list(ids), 2)  # a forced schedule plans every step

@@ -22,6 +22,23 @@ def test_counters_and_calibration_rows():
     assert rows[3]["predicted"] == pytest.approx(0.2) and rows[3]["realised"] == 0.0
 
 
+def test_one_row_outcomes_count_as_the_batched_ones():
+    """Concurrency 1 takes a slice-update shortcut; it must count what the batched path counts."""
+    rng = np.random.default_rng(0)
+    one, batched = st.AdaptiveStats(6), st.AdaptiveStats(6)
+    predicted = rng.random((40, 6))
+    verified = rng.integers(0, 7, 40)
+    accepted = np.minimum(rng.integers(0, 7, 40), verified)
+    for i in range(40):
+        one.record_outcomes(predicted[i:i + 1], verified[i:i + 1], accepted[i:i + 1])
+    batched.record_outcomes(predicted[:20], verified[:20], accepted[:20])
+    batched.record_outcomes(predicted[20:], verified[20:], accepted[20:])
+    a, b = one.snapshot(), batched.snapshot()
+    assert a["verified_per_pos"] == b["verified_per_pos"] and a["accepted_per_pos"] == b["accepted_per_pos"]
+    assert np.allclose(a["predicted_per_pos"], b["predicted_per_pos"])
+    assert sum(a["verified_per_pos"]) == int(verified.sum())
+
+
 def test_memory_mapped_file_is_readable_by_another_reader(tmp_path):
     path = str(tmp_path / "stats" / "123-0.bin")
     writer = st.AdaptiveStats(3, path=path)

@@ -47,6 +47,33 @@ def draft_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE) -> tu
     return p1, p1
 
 
+def argmax_with_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE
+                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """logits [N, V] -> (argmax ids [N] int64, (feature [N], prior [N])) in one pass
+    over the vocabulary where the feature allows: the margin's top-2 already holds
+    the argmax, and the top-1 probability's max does. A draft's LM-head rows are
+    as long as the vocabulary (150k for Qwen3), so a second pass costs about as
+    much as the confidence itself. Ties keep argmax's first index (topk does not
+    promise it), so adaptive and static drafts are the same tokens."""
+    if feature not in FEATURES:
+        raise ValueError(f"confidence feature {feature!r}: choose one of {FEATURES}")
+    x = logits.float()
+    if feature == "top1":
+        values, ids = x.max(dim=-1)
+        p1 = torch.exp(values - torch.logsumexp(x, dim=-1))
+        return ids, (p1, p1)
+    top = x.topk(2, dim=-1)
+    d = top.values[:, 0] - top.values[:, 1]
+    if x.device.type == "cpu":
+        ids = top.indices[:, 0]
+        tie = d == 0
+        if bool(tie.any()):  # free on the host; rare
+            ids = torch.where(tie, x.argmax(dim=-1), ids)
+    else:  # on a GPU the tie check would wait for the device; a second pass does not
+        ids = x.argmax(dim=-1)
+    return ids, (torch.tanh(d / 2), torch.sigmoid(d))
+
+
 def sampled_confidence(conf: tuple[torch.Tensor, torch.Tensor], probs: torch.Tensor, draft_ids: torch.Tensor,
                        sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(feature, prior) with rows where `sampled` [N] replaced by q(x): the

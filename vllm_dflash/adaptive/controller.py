@@ -99,7 +99,9 @@ class BudgetController:
         self._knots = self.step_cost.r_knots.tolist()
         self.realized = RealizedRatio(self._knots)
         self._decisions = 0
-        # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds).
+        self._explore_next = False  # coasting() drew this step's exploration; plan() carries it out
+        # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds,
+        # the realised/forecast factors the plan used, decisions until the next replan).
         self._cache: dict[int, tuple] = {}
 
     # ------------------------------------------------------------- planning --
@@ -148,9 +150,8 @@ class BudgetController:
             return Plan(q, WARMUP)
         step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)
         plan = Plan(q, OPTIMAL)
-        explore = min(self.max_explore_probability,
-                      self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
-        if self.rng.random() < explore:
+        explore_now, self._explore_next = self._explore_next, False
+        if explore_now or self.rng.random() < self._explore_probability(seconds, full_seconds):
             # Both ways: longer blocks than planned, or (half the time, while drafting) none, so
             # a cost model that overrates the no-draft step is corrected too.
             if q > 0 and (q == self.max_k or self.rng.random() < 0.5):
@@ -159,26 +160,63 @@ class BudgetController:
                 plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
         return plan
 
+    def _explore_probability(self, seconds: float, full_seconds: float) -> float:
+        return min(self.max_explore_probability,
+                   self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
+
+    def coasting(self, requests: int) -> bool:
+        """True: this step at `requests` requests drafts nothing and needs no planning
+        (its batch size's plan is no draft, still fresh, its time factors have not moved,
+        and this step does not explore). The caller then skips everything a plan would
+        need (request kinds, eligibility, priors): on a busy CPU a step without drafting
+        must cost what a step without speculation costs. False: call plan() (which then
+        explores if that is what this step drew)."""
+        entry = self._cache.get(requests)
+        if (entry is None or entry[3] != 0 or self._decisions + 1 - entry[0] >= entry[7]
+                or self._factors_moved(entry[6], self.realized.factors(requests))):
+            return False
+        if self.rng.random() < self._explore_probability(entry[4], entry[5]):
+            self._explore_next = True
+            return False
+        self._decisions += 1
+        return True
+
     def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
         """The cost curves at this batch size and the planned q, recomputed every
-        `refresh_steps` decisions (costs and acceptance drift slowly; replanning
-        every step would cost more than it changes). The predicted seconds of
-        drafting and of not drafting are scaled by how long cycles of each kind
-        took against their forecast (`realized`)."""
+        `refresh_steps` decisions, or up to 4x that while replanning keeps giving the
+        same q (costs and acceptance drift slowly; replanning every step would cost
+        more than it changes), and at once when a realised/forecast factor moves.
+        The predicted seconds of drafting and of not drafting are scaled by how long
+        cycles of each kind took against their forecast (`realized`)."""
         requests = len(req_ids)
         self._decisions += 1
         entry = self._cache.get(requests)
-        if entry is None or self._decisions - entry[0] >= self.refresh_steps:
+        factors = self.realized.factors(requests)
+        moved = entry is not None and self._factors_moved(entry[6], factors)
+        if entry is None or self._decisions - entry[0] >= entry[7] or moved:
             k = self.max_k
             step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
             draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
             prior = self.prior.rows(req_ids, kinds, self.per_request_prior)
             values, seconds, full = self.plan_values(prior, requests, step, draft)
-            no_draft, drafting = self.realized.factors(requests)
+            no_draft, drafting = factors
             q = int(np.argmax(values / np.where(np.arange(len(values)) == 0, no_draft, drafting)))
-            entry = (self._decisions, step, draft, q, float(seconds[q]), full)
+            # A plan that comes out the same again is trusted for twice as long (up to 4x
+            # `refresh_steps`): in a steady regime replanning is most of what a step
+            # without drafting costs the controller.
+            same = entry is not None and not moved and q == entry[3]
+            interval = min(2 * entry[7], 4 * self.refresh_steps) if same else self.refresh_steps
+            entry = (self._decisions, step, draft, q, float(seconds[q]), full, factors, interval)
             self._cache[requests] = entry
-        return entry[1:]
+        return entry[1:6]
+
+    @staticmethod
+    def _factors_moved(then: tuple[float, float], now: tuple[float, float], tolerance: float = 0.1) -> bool:
+        """A realised/forecast time factor moved by more than `tolerance` since the plan:
+        the curves were wrong by that much where this plan runs (a new batch size, most
+        often), so the plan is redone now rather than after `refresh_steps` more steps
+        at the wrong q."""
+        return any(abs(b / a - 1.0) > tolerance for a, b in zip(then, now))
 
     def plan_values(self, prior: np.ndarray, requests: int, step: np.ndarray | None = None,
                     draft: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float]:
@@ -238,7 +276,7 @@ class BudgetController:
         if live == 0:
             return np.zeros(rows, dtype=np.int64)
         entry = self._cache.get(live)
-        if entry is not None and self._decisions - entry[0] < self.refresh_steps:
+        if entry is not None and self._decisions - entry[0] < entry[7]:
             step = entry[1][: live * width + 1]
         else:
             step = self.step_cost.predict(live, 1.0 + np.arange(live * width + 1) / live)

@@ -12,7 +12,10 @@ scaled by its geometric-mean ratio once it has `min_cycles` cycles' worth of
 evidence. Only time is corrected here: acceptance has its own calibration,
 and the time of a cycle does not depend on the text, so a factor learned on
 one kind of request holds for the next. The ratios forget (`memory` cycles),
-and exploration keeps both kinds measured.
+and exploration keeps both kinds measured. Four cycles suffice to act on: the
+errors that matter are factors of 1.5-2 (measured at a batch size the curves
+had only interpolated), and the controller replans as soon as a factor moves
+by more than 10% (`BudgetController._factors_moved`).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ NO_DRAFT, DRAFT = 0, 1
 class RealizedRatio:
     """Per (batch-size knot, drafted or not): forgetting mean of log(realised / forecast seconds)."""
 
-    def __init__(self, knots, memory: float = 32.0, min_cycles: float = 8.0, clip: float = 4.0):
-        if memory < 1 or min_cycles <= 0 or clip <= 1:
-            raise ValueError("RealizedRatio needs memory >= 1, min_cycles > 0, clip > 1")
+    def __init__(self, knots, memory: float = 32.0, min_cycles: float = 4.0, clip: float = 4.0,
+                 stale_factor: float = 4.0):
+        if memory < 1 or min_cycles <= 0 or clip <= 1 or stale_factor < 1:
+            raise ValueError("RealizedRatio needs memory >= 1, min_cycles > 0, clip > 1, stale_factor >= 1")
         self.knots = [float(k) for k in knots]
         self.memory, self.min_cycles, self.log_clip = float(memory), float(min_cycles), math.log(clip)
+        self.stale_factor = float(stale_factor)
         self.log_sum = np.zeros((len(self.knots), 2))
         self.weight = np.zeros((len(self.knots), 2))
 
@@ -50,6 +55,14 @@ class RealizedRatio:
         keep = 1.0 - 1.0 / self.memory
         self.log_sum[i, j] = self.log_sum[i, j] * keep + x
         self.weight[i, j] = self.weight[i, j] * keep + 1.0
+        # The other kind's evidence goes stale while this kind runs: a factor that once
+        # made drafting look bad would otherwise hold speculation off for good (a plan of
+        # no draft measures only no-draft cycles; exploration adds a drafting cycle once
+        # in a few hundred steps). It fades `stale_factor` times slower than it learns.
+        other = 1 - j
+        fade = 1.0 - 1.0 / (self.memory * self.stale_factor)
+        self.log_sum[i, other] *= fade
+        self.weight[i, other] *= fade
 
     def factors(self, requests: int) -> tuple[float, float]:
         """(no-draft, drafting) factors on forecast seconds at this batch size; 1 where unmeasured."""

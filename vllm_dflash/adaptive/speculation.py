@@ -5,7 +5,8 @@ Per propose() call (one engine step):
 1. `begin(now, ...)`: the verification outcomes of the drafts handed out at
    the previous step arrive (per request id: positions verified, accepted)
    and go to the statistics, and (batched, `learn`) to the shared acceptance
-   model and each request's own shift of it (`calibration.RequestOffsets`); the wall time since
+   model, each request's own shift of it (`calibration.RequestOffsets`) and
+   the per-position correction (`calibration.SurvivalCorrection`); the wall time since
    the previous call ended is the step outside drafting, E(R, tokens), kept
    only for steady decode steps (the same requests, no prefill, so no idle
    gap or prompt is in it); then the controller plans q.
@@ -35,7 +36,7 @@ from vllm_dflash.adaptive.stats import AdaptiveStats
 class _Handed:
     """What a step handed out, kept until the next step reports its outcome."""
 
-    row_of: dict[str, int]  # request id -> row
+    req_ids: list[str]  # the step's requests, by row
     kinds: np.ndarray  # [R]
     feature: np.ndarray  # [R, q] confidence feature of the drafts
     shared: np.ndarray  # [R, q] the shared model's conditional acceptance (before each request's shift)
@@ -80,10 +81,12 @@ class AdaptiveSpeculation:
         self.correction = SurvivalCorrection(max_k)
         self.learn_every = learn_every
         self._handed: _Handed | None = None
-        self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted), queued
+        self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted, raw), queued
         self._drafted: list[tuple] = []  # (req_ids, kinds, survival), queued for the prior
         self._steps_since_learning = 0
         self._prev_req_ids: set[str] = set()
+        self._prev_req_list: list[str] = []
+        self._all_eligible: dict[int, np.ndarray] = {}  # read-only masks for coasting steps
         self._prev_end: float | None = None
         self._prev_cycle: tuple[int, float, float] | None = None  # (q, forecast seconds, draft seconds) of the last call
         self._step: StepState | None = None
@@ -95,7 +98,7 @@ class AdaptiveSpeculation:
     def begin(self, now: float, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray,
               num_tokens: int, greedy: np.ndarray, eligible: np.ndarray) -> Plan:
         """Outcomes of the last drafts, the step-time sample, and this step's plan."""
-        req_ids = list(req_ids)
+        req_ids = req_ids if type(req_ids) is list else list(req_ids)  # the proposer's is a fresh slice
         num_verified = np.asarray(num_verified, dtype=np.int64)
         num_accepted = np.asarray(num_accepted, dtype=np.int64)
         self._observe(req_ids, num_verified, num_accepted)
@@ -103,7 +106,8 @@ class AdaptiveSpeculation:
         if self._steps_since_learning >= self.learn_every:
             self.learn()
         requests = len(req_ids)
-        steady = (self._prev_end is not None and requests > 0 and self._prev_req_ids.issuperset(req_ids)
+        same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
+        steady = (self._prev_end is not None and requests > 0 and same_or_fewer
                   and num_tokens == requests + int(num_verified.sum()))
         if steady:
             outside = now - self._prev_end
@@ -120,22 +124,52 @@ class AdaptiveSpeculation:
         self._step = StepState(now, req_ids, kinds, eligible, plan)
         return plan
 
+    def coast(self, now: float, req_ids: list[str], num_tokens: int) -> bool:
+        """begin() for the commonest step where speculation does not pay: the same
+        requests as the last step, which verified nothing and drafts nothing again
+        (`BudgetController.coasting`). Only the step-time samples are taken; no plan,
+        no request kinds. False: nothing was done; call begin()."""
+        requests = len(req_ids)
+        if (self.schedule is not None or self._handed is not None or self._prev_end is None
+                or num_tokens != requests or req_ids != self._prev_req_list
+                or not self.controller.coasting(requests)):
+            return False
+        self._steps_since_learning += 1
+        if self._steps_since_learning >= self.learn_every:
+            self.learn()
+        outside = now - self._prev_end
+        self.controller.step_cost.observe(requests, 1.0, outside)
+        if self._prev_cycle is not None:
+            q, forecast, drafting = self._prev_cycle
+            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
+        everyone = self._all_eligible.get(requests)
+        if everyone is None:
+            everyone = self._all_eligible[requests] = np.ones(requests, dtype=bool)
+        self._step = StepState(now, self._prev_req_list, np.zeros(0, dtype=np.int64), everyone, Plan(0, OPTIMAL))
+        return True
+
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
         handed, self._handed = self._handed, None
         if handed is None or not req_ids:
             return
-        prev = np.fromiter((handed.row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
-        known = prev >= 0
-        ok = known & (num_verified > 0)
-        ok[known] &= num_verified[known] <= handed.budgets[prev[known]]  # trimmed drafts are fine, longer ones not ours
+        if req_ids == handed.req_ids:  # the usual decode step: the same requests in the same rows
+            prev = np.arange(len(req_ids))
+            ok = (num_verified > 0) & (num_verified <= handed.budgets)
+        else:
+            row_of = {r: i for i, r in enumerate(handed.req_ids)}
+            prev = np.fromiter((row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+            known = prev >= 0
+            ok = known & (num_verified > 0)
+            # trimmed drafts are fine, longer ones not ours
+            ok[known] &= num_verified[known] <= handed.budgets[prev[known]]
         if not ok.any():
             return
         rows, verified, accepted = prev[ok], num_verified[ok], num_accepted[ok]
         self.stats.record_outcomes(handed.survival[rows], verified, accepted)
-        self.correction.update(handed.raw[rows], verified, accepted)
-        self._outcomes.append(([r for r, good in zip(req_ids, ok) if good], handed.kinds[rows],
-                               handed.feature[rows], handed.shared[rows], verified, accepted))
+        ids = req_ids if ok.all() else [r for r, good in zip(req_ids, ok) if good]
+        self._outcomes.append((ids, handed.kinds[rows], handed.feature[rows], handed.shared[rows], verified, accepted,
+                               handed.raw[rows]))
 
     def learn(self) -> None:
         """Fold the queued outcomes and drafts into the models."""
@@ -149,6 +183,7 @@ class AdaptiveSpeculation:
             verified = np.concatenate([q[4] for q in queued])
             accepted = np.concatenate([q[5] for q in queued])
             self.controller.acceptance.update(kinds, feature, verified, accepted)
+            self.correction.update(_stack_padded([q[6] for q in queued], width), verified, accepted)
             pos = np.arange(width)[None, :]
             self.offsets.update(req_ids, shared, pos < np.minimum(accepted + 1, verified)[:, None],
                                 pos < accepted[:, None])
@@ -177,8 +212,7 @@ class AdaptiveSpeculation:
         else:
             self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
                                   survival[st.eligible]))
-        self._handed = _Handed({r: i for i, r in enumerate(st.req_ids)}, st.kinds, feature, shared, raw, survival,
-                               budgets)
+        self._handed = _Handed(st.req_ids, st.kinds, feature, shared, raw, survival, budgets)
         return budgets
 
     def end(self, now: float, not_drafting: float = 0.0) -> None:
@@ -200,6 +234,7 @@ class AdaptiveSpeculation:
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)
         self.offsets.forget(st.req_ids)
-        self._prev_req_ids = set(st.req_ids)
+        if st.req_ids != self._prev_req_list:  # the set is rebuilt only when the batch changed
+            self._prev_req_list, self._prev_req_ids = st.req_ids, set(st.req_ids)
         self._prev_end = now
         self._step = None

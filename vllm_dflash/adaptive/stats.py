@@ -47,7 +47,9 @@ class AdaptiveStats:
             self._vec = np.zeros(size)
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._vec = np.memmap(path, dtype=np.float64, mode="w+", shape=(size,))
+            # A plain ndarray on the mapped pages: np.memmap's subclass hooks cost tens of
+            # microseconds on every small update, and this runs every engine step.
+            self._vec = np.memmap(path, dtype=np.float64, mode="w+", shape=(size,)).view(np.ndarray)
         self._vec[:] = 0.0
         self._vec[:_HEADER] = (_MAGIC, _VERSION, k)
         self._views = {name: self._vec[o:o + n] for name, (o, n) in _layout(k).items()}
@@ -56,17 +58,25 @@ class AdaptiveStats:
         v = self._views
         v["steps"][REASONS.index(reason)] += 1
         v["query_hist"][q] += 1
-        if budgets.size:
+        if budgets.size and q == 0:  # every budget is 0
+            v["budget_hist"][0] += budgets.size
+        elif budgets.size:
             v["budget_hist"] += np.bincount(np.asarray(budgets, dtype=np.int64), minlength=self.k + 1)[: self.k + 1]
 
     def record_outcomes(self, predicted: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """predicted [N, w] survival of verified drafts (padded), with their verified / accepted counts."""
         predicted = np.asarray(predicted, dtype=np.float64)
+        v = self._views
+        if predicted.shape[0] == 1:  # one request (every step at concurrency 1): three slice updates
+            n, a = int(num_verified[0]), int(num_accepted[0])
+            v["verified_per_pos"][:n] += 1
+            v["accepted_per_pos"][:a] += 1
+            v["predicted_per_pos"][:n] += predicted[0, :n]
+            return
         width = predicted.shape[1]
         pos = np.arange(width)[None, :]
         verified = pos < np.asarray(num_verified)[:, None]
         accepted = pos < np.asarray(num_accepted)[:, None]
-        v = self._views
         v["verified_per_pos"][:width] += verified.sum(axis=0)
         v["accepted_per_pos"][:width] += accepted.sum(axis=0)
         v["predicted_per_pos"][:width] += np.where(verified, predicted, 0.0).sum(axis=0)

@@ -49,7 +49,8 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_dflash import envs, ops, profiler
 from vllm_dflash.adaptive import prometheus
-from vllm_dflash.adaptive.confidence import DEFAULT_FEATURE, draft_confidence, sampled_confidence
+from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confidence, draft_confidence,
+                                              sampled_confidence)
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
@@ -380,7 +381,13 @@ class DFlashProposer(SpecDecodeBaseProposer):
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len > 0:
             return None
         batch_size = common_attn_metadata.num_reqs
-        q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
+        # Coasting (no plan needed, nothing drafted) is decided per rank: only alone, since
+        # under tensor parallelism the ranks must agree on q through a collective.
+        if self._tp_size == 1 and self.adaptive.coast(self._step_clock(), self.runner.input_batch.req_ids[:batch_size],
+                                                     num_tokens):
+            q = 0
+        else:
+            q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
         if q > 0:
             self._planned_q = q
             return None
@@ -415,9 +422,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         scheduled) and, with `num_rejected_tokens_gpu`, how many were accepted;
         partial prefills (`discard_request_mask`) and seeded sampled requests
         (reproducibility) get no budget. The drafting clock starts here."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's GPU work belongs to the step, not to the draft time
-        t0 = time.perf_counter()
+        t0 = self._step_clock()
         adaptive, runner = self.adaptive, self.runner
         batch = runner.input_batch
         req_ids = batch.req_ids[:batch_size]
@@ -446,18 +451,24 @@ class DFlashProposer(SpecDecodeBaseProposer):
         plan = adaptive.begin(t0, req_ids, verified, accepted, num_tokens, greedy, eligible)
         return self._same_on_every_rank(plan.q)
 
+    def _step_clock(self) -> float:
+        """Now, once the step's device work is done: it belongs to the step, not to the draft time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _finish_adaptive(self, drafts: torch.Tensor, conf: tuple[torch.Tensor, torch.Tensor] | None) -> list[list[int]]:
         """Budgets for the drafted block [B, q] (q = 0: none) and each request's list."""
         adaptive = self.adaptive
         batch_size, q = drafts.shape
         if q == 0:
-            feature = prior = np.zeros((batch_size, 0))
-            rows: list[list[int]] = [[] for _ in range(batch_size)]
+            empty = np.zeros((batch_size, 0))
+            adaptive.choose(time.perf_counter(), empty, empty)
+            out: list[list[int]] = [[] for _ in range(batch_size)]
         else:
-            rows = drafts.tolist()
             feature, prior = (c.cpu().numpy() for c in conf)
-        budgets = adaptive.choose(time.perf_counter(), feature, prior)
-        out = [row[:b] for row, b in zip(rows, budgets.tolist())]
+            budgets = adaptive.choose(time.perf_counter(), feature, prior)
+            out = [row[:b] for row, b in zip(drafts.tolist(), budgets.tolist())]
         adaptive.end(time.perf_counter(), not_drafting=self._held_context_seconds)
         self._held_context_seconds = 0.0
         return out
@@ -483,8 +494,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         drafts are scored by the probability they were drawn with
         (`sampled_confidence`), argmax drafts by the logit margin."""
         logits = self.model.compute_logits(hidden_states)
+        sampled_drafts = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        if confidence and not sampled_drafts:
+            return argmax_with_confidence(logits, self.confidence_feature)
         conf = draft_confidence(logits, self.confidence_feature) if confidence else None
-        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+        if sampled_drafts:
             batch_size = logits.shape[0] // width
             block_ids, block_probs = sample_drafts(
                 logits.view(batch_size, width, -1), "sample",
