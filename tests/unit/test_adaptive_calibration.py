@@ -151,6 +151,25 @@ def test_survival_prior_per_request_and_mean():
     assert prior.rows(["b"], np.array([GREEDY]))[0, 0] == pytest.approx(mean[0])
 
 
+def test_a_requests_own_advantage_carries_past_its_last_block():
+    """A request last drafted 3 positions; beyond them its row follows the kind's mean
+    conditional rates, moved by its logit shift: an easier request (shift +2) keeps a
+    higher tail, a harder one (-2) a lower one, no shift is the kind's rates exactly."""
+    k = 8
+    prior = SurvivalPrior(k)
+    kinds = np.array([GREEDY])
+    prior.record(["m"], kinds, np.cumprod(np.full((1, k), 0.6), axis=1))  # the kind: 0.6 per position
+    prior.record(["p"], kinds, np.array([[0.9, 0.8, 0.7]]))
+    plain = prior.rows(["p"], kinds, shifts=np.array([0.0]))[0]
+    easy = prior.rows(["p"], kinds, shifts=np.array([2.0]))[0]
+    hard = prior.rows(["p"], kinds, shifts=np.array([-2.0]))[0]
+    mean = prior.mean(GREEDY)
+    np.testing.assert_allclose(plain[3:], 0.7 * np.cumprod(mean[3:] / mean[2:-1]))
+    assert np.all(easy[3:] > plain[3:]) and np.all(hard[3:] < plain[3:])
+    np.testing.assert_allclose(easy[:3], plain[:3])  # what was drafted stays as it was
+    assert np.all(np.diff(easy) <= 0)
+
+
 def test_request_offsets_follow_each_requests_own_acceptance():
     """The shared model says 0.6 everywhere; one request accepts 85% of the time, another
     30%. After 60 steps of 6 observed positions each, each request's shifted prediction

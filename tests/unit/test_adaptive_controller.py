@@ -206,3 +206,21 @@ def test_exploration_also_tries_no_draft():
     assert {p.q for p in plans if p.reason == OPTIMAL} == {K}
     explored = [p.q for p in plans if p.reason == EXPLORE]
     assert len(explored) > 50 and set(explored) == {0}
+
+
+def test_a_new_request_is_planned_for_its_own_prior_within_a_few_steps():
+    """One request at a time: a plan made for a request whose drafts were rejected (q = 0)
+    is redone for the next request, with a strong survival row, after refresh_steps // 4
+    decisions, not after the full (possibly doubled) refresh interval."""
+    c = controller(lambda r, t: 1e-3 * (1 + 0.02 * (t - 1)), lambda r, t: 2e-4 * t, max_explore_probability=0.0)
+    kinds = np.full(1, GREEDY)
+    give_history(c, ["poor"], np.cumprod(np.full(K, 0.02)))
+    assert c.plan(["poor"], kinds).q == 0
+    for _ in range(40):  # the same plan again and again: its interval grows
+        c.plan(["poor"], kinds)
+    assert c._cache[1][7] > c.refresh_steps
+    while c._cache[1][0] != c._decisions:  # up to the poor request's latest replan
+        c.plan(["poor"], kinds)
+    give_history(c, ["rich"], high_survival())
+    qs = [c.plan(["rich"], kinds).q for _ in range(c.refresh_steps // 4 + 1)]
+    assert qs[0] == 0 and qs[-1] > 0, qs  # the old plan for a few steps, then its own

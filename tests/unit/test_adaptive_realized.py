@@ -61,10 +61,10 @@ def test_ratio_forgets_and_clips():
     assert math.isfinite(r.log_sum.sum()) and r.factors(1)[1] == pytest.approx(1.0, abs=0.01)
 
 
-def test_drafting_slower_than_forecast_is_planned_away():
-    """The fitted curves say drafting pays a little; drafting cycles took 1.6x their
-    forecast, no-draft cycles their forecast: the plan becomes no draft."""
-    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0, refresh_steps=1)
+def _controller_drafting_at_8(**kwargs) -> tuple[BudgetController, list[str], np.ndarray]:
+    """A controller past warm-up whose fitted curves say drafting pays a little for 8
+    greedy requests at acceptance 0.6 per position."""
+    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0, **kwargs)
     for t in range(1, K + 2):
         for _ in range(3):
             c.step_cost.observe(8, t, 1e-3 * (1 + 0.05 * (t - 1)))
@@ -73,7 +73,13 @@ def test_drafting_slower_than_forecast_is_planned_away():
     c._warmup_total += c.warmup_steps
     ids = [f"r{i}" for i in range(8)]
     c.prior.record(ids, np.full(8, GREEDY), np.tile(np.cumprod(np.full(K, 0.6)), (8, 1)))
-    kinds = np.full(8, GREEDY)
+    return c, ids, np.full(8, GREEDY)
+
+
+def test_drafting_slower_than_forecast_is_planned_away():
+    """Drafting cycles took 1.6x their forecast, no-draft cycles their forecast: the
+    plan becomes no draft."""
+    c, ids, kinds = _controller_drafting_at_8(refresh_steps=1)
     first = c.plan(ids, kinds)
     assert first.q > 0 and first.reason == OPTIMAL
     forecast = c.forecast_seconds(8, first.q, 8)
@@ -88,17 +94,8 @@ def test_a_plan_is_redone_as_soon_as_its_time_factor_moves():
     """With the default refresh interval (16 decisions) a wrong plan at a new batch size
     used to run until the refresh; once the drafting cycles' realised/forecast factor
     moves by more than 10% the plan is redone at the next decision."""
-    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0)
+    c, ids, kinds = _controller_drafting_at_8()
     assert c.refresh_steps > 8
-    for t in range(1, K + 2):
-        for _ in range(3):
-            c.step_cost.observe(8, t, 1e-3 * (1 + 0.05 * (t - 1)))
-            c.draft_cost.observe(8, t, 2e-4 * t)
-    c._warmup_done[c._warmup_key(8)] = c.warmup_steps
-    c._warmup_total += c.warmup_steps
-    ids = [f"r{i}" for i in range(8)]
-    c.prior.record(ids, np.full(8, GREEDY), np.tile(np.cumprod(np.full(K, 0.6)), (8, 1)))
-    kinds = np.full(8, GREEDY)
     first = c.plan(ids, kinds)
     assert first.q > 0
     forecast = c.forecast_seconds(8, first.q, 8)

@@ -230,15 +230,22 @@ class SurvivalPrior:
         for i, req_id in enumerate(req_ids):  # extended to k only when read (rows())
             self.last[req_id] = (survival[i], self.step, int(kinds[i]))
 
-    def _extend(self, survival: np.ndarray, kinds: np.ndarray) -> np.ndarray:
-        """[R, q] -> [R, k]: positions past q follow the kind's mean conditional rates."""
+    def _extend(self, survival: np.ndarray, kinds: np.ndarray, shift: float = 0.0) -> np.ndarray:
+        """[R, q] -> [R, k]: positions past q follow the kind's mean conditional rates,
+        moved by `shift` on the logit scale (the request's own, `RequestOffsets`): a
+        request whose text the draft finds easier than the kind's average keeps that
+        advantage past the positions it last drafted. Without it, a request planned
+        short saw only the kind's average beyond its block, and stayed short."""
         rows, width = survival.shape
         if width >= self.num_positions:
             return survival[:, : self.num_positions].copy()
         means = self.means()[kinds]  # [R, k]
-        base = means[:, width - 1 : width]
-        scale = np.divide(survival[:, -1:], base, out=np.zeros_like(base), where=base > 0)
-        tail = np.minimum(means[:, width:] * scale, survival[:, -1:])
+        before, after = means[:, width - 1 : -1], means[:, width:]
+        rate = np.divide(after, before, out=np.zeros_like(after), where=before > 0)
+        if shift:
+            r = np.minimum(np.maximum(rate, 1e-6), 1 - 1e-6)
+            rate = 1.0 / (1.0 + (1.0 - r) / r * np.exp(-shift))
+        tail = survival[:, -1:] * np.cumprod(np.minimum(rate, 1.0), axis=1)
         return np.concatenate([survival, tail], axis=1)
 
     def forget(self, live_req_ids) -> None:
@@ -270,9 +277,10 @@ class SurvivalPrior:
         out[last + 1:] = out[last] * rate ** np.arange(1, self.num_positions - last)
         return np.minimum.accumulate(np.clip(out, 0.0, 1.0))
 
-    def rows(self, req_ids: list[str], kinds: np.ndarray, per_request: bool = True) -> np.ndarray:
+    def rows(self, req_ids: list[str], kinds: np.ndarray, per_request: bool = True,
+             shifts: np.ndarray | None = None) -> np.ndarray:
         """[R, k] expected survival per request: its own last row where it has
-        one, else the kind's mean."""
+        one (continued with its logit `shifts` [R], see `_extend`), else the kind's mean."""
         out = self.means()[np.asarray(kinds, dtype=np.int64)]
         if per_request and self.last:
             for i, req_id in enumerate(req_ids):
@@ -280,7 +288,8 @@ class SurvivalPrior:
                 if entry is not None:
                     row, step, kind = entry
                     w = np.exp(-(self.step - step) / self.fade_steps)
-                    out[i] = w * self._extend(row[None, :], np.array([kind]))[0] + (1.0 - w) * out[i]
+                    shift = 0.0 if shifts is None else float(shifts[i])
+                    out[i] = w * self._extend(row[None, :], np.array([kind]), shift)[0] + (1.0 - w) * out[i]
         return out
 
 

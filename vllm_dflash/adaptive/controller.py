@@ -35,6 +35,7 @@ predicted time. Decisions are deterministic for a seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,8 +101,10 @@ class BudgetController:
         self.realized = RealizedRatio(self._knots)
         self._decisions = 0
         self._explore_next = False  # coasting() drew this step's exploration; plan() carries it out
+        # request ids -> [R] logit shifts of their acceptance (AdaptiveSpeculation's RequestOffsets)
+        self.request_shifts: Callable[[list[str]], np.ndarray] | None = None
         # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds,
-        # the realised/forecast factors the plan used, decisions until the next replan).
+        # the realised/forecast factors the plan used, decisions until the next replan, the requests it was for).
         self._cache: dict[int, tuple] = {}
 
     # ------------------------------------------------------------- planning --
@@ -164,15 +167,16 @@ class BudgetController:
         return min(self.max_explore_probability,
                    self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
 
-    def coasting(self, requests: int) -> bool:
-        """True: this step at `requests` requests drafts nothing and needs no planning
+    def coasting(self, req_ids: list[str]) -> bool:
+        """True: this step of the requests `req_ids` drafts nothing and needs no planning
         (its batch size's plan is no draft, still fresh, its time factors have not moved,
         and this step does not explore). The caller then skips everything a plan would
         need (request kinds, eligibility, priors): on a busy CPU a step without drafting
         must cost what a step without speculation costs. False: call plan() (which then
         explores if that is what this step drew)."""
+        requests = len(req_ids)
         entry = self._cache.get(requests)
-        if (entry is None or entry[3] != 0 or self._decisions + 1 - entry[0] >= entry[7]
+        if (entry is None or entry[3] != 0 or self._stale(entry, req_ids, 1)
                 or self._factors_moved(entry[6], self.realized.factors(requests))):
             return False
         if self.rng.random() < self._explore_probability(entry[4], entry[5]):
@@ -193,22 +197,33 @@ class BudgetController:
         entry = self._cache.get(requests)
         factors = self.realized.factors(requests)
         moved = entry is not None and self._factors_moved(entry[6], factors)
-        if entry is None or self._decisions - entry[0] >= entry[7] or moved:
+        if entry is None or self._stale(entry, req_ids) or moved:
             k = self.max_k
             step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
             draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
-            prior = self.prior.rows(req_ids, kinds, self.per_request_prior)
+            shifts = None if self.request_shifts is None else self.request_shifts(req_ids)
+            prior = self.prior.rows(req_ids, kinds, self.per_request_prior, shifts)
             values, seconds, full = self.plan_values(prior, requests, step, draft)
             no_draft, drafting = factors
             q = int(np.argmax(values / np.where(np.arange(len(values)) == 0, no_draft, drafting)))
             # A plan that comes out the same again is trusted for twice as long (up to 4x
             # `refresh_steps`): in a steady regime replanning is most of what a step
             # without drafting costs the controller.
-            same = entry is not None and not moved and q == entry[3]
+            same = entry is not None and not moved and q == entry[3] and req_ids == entry[8]
             interval = min(2 * entry[7], 4 * self.refresh_steps) if same else self.refresh_steps
-            entry = (self._decisions, step, draft, q, float(seconds[q]), full, factors, interval)
+            entry = (self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids)
             self._cache[requests] = entry
         return entry[1:6]
+
+    def _stale(self, entry: tuple, req_ids: list[str], ahead: int = 0) -> bool:
+        """The plan `entry` is due for a redo at this decision (`ahead`: counted from the
+        next one). A plan made for other requests is redone after a quarter of
+        `refresh_steps`: it rests on their survival priors (at one request, on the
+        previous request's), and a new request has its own after a few drafts."""
+        age = self._decisions + ahead - entry[0]
+        if req_ids == entry[8]:
+            return age >= entry[7]
+        return age >= max(1, self.refresh_steps // 4)
 
     @staticmethod
     def _factors_moved(then: tuple[float, float], now: tuple[float, float], tolerance: float = 0.1) -> bool:

@@ -78,6 +78,7 @@ class AdaptiveSpeculation:
         self.schedule = ForcedSchedule(schedule, max_k, seed) if schedule else None
         self.stats = stats if stats is not None else AdaptiveStats(max_k)
         self.offsets = RequestOffsets()
+        self.controller.request_shifts = self.offsets.shifts  # plans continue each request's own advantage
         self.correction = SurvivalCorrection(max_k)
         self.learn_every = learn_every
         self._handed: _Handed | None = None
@@ -132,7 +133,7 @@ class AdaptiveSpeculation:
         requests = len(req_ids)
         if (self.schedule is not None or self._handed is not None or self._prev_end is None
                 or num_tokens != requests or req_ids != self._prev_req_list
-                or not self.controller.coasting(requests)):
+                or not self.controller.coasting(req_ids)):
             return False
         self._steps_since_learning += 1
         if self._steps_since_learning >= self.learn_every:
