@@ -170,6 +170,16 @@ def replay(drafter, kwargs: dict, timer, num: int) -> None:
 # ---------------------------------------------------------------- worker --
 
 
+def speculative_config(args) -> dict:
+    """k draft tokens every step: this script times propose() at a fixed k, side by side with
+    vLLM's in-tree proposer, which has no adaptive speculation. The plugin's adaptive default
+    would draft nothing on these random prompts (steps without drafts never reach propose())."""
+    config = {"method": "dflash", "model": args.draft_dir, "num_speculative_tokens": args.k}
+    if args.impl == "plugin":
+        config["adaptive"] = False
+    return config
+
+
 def worker(args) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -189,7 +199,7 @@ def worker(args) -> dict:
         enable_prefix_caching=False,
         enforce_eager=args.mode == "eager",
         gpu_memory_utilization=0.5,
-        speculative_config={"method": "dflash", "model": args.draft_dir, "num_speculative_tokens": args.k},
+        speculative_config=speculative_config(args),
     )
     runner = model_runner_of(llm)
     drafter = runner.drafter
@@ -357,6 +367,9 @@ def main() -> None:
 
     if "before" in args.impl and not (args.worker or args.before_repo):
         parser.error("--impl before needs --before-repo PATH (a checkout whose vllm_dflash to run)")
+    if args.requests < max(args.batch):
+        parser.error(f"--requests {args.requests} is fewer than --batch {max(args.batch)}: each batch size needs "
+                     "at least one full batch of prompts; raise --requests")
     if args.worker:
         args.impl, args.mode = args.impl[0], args.mode[0]
         res = worker(args)
