@@ -218,8 +218,8 @@ def test_a_new_request_is_planned_for_its_own_prior_within_a_few_steps():
     assert c.plan(["poor"], kinds).q == 0
     for _ in range(40):  # the same plan again and again: its interval grows
         c.plan(["poor"], kinds)
-    assert c._cache[1][7] > c.refresh_steps
-    while c._cache[1][0] != c._decisions:  # up to the poor request's latest replan
+    assert c._cache[1].interval > c.refresh_steps
+    while c._cache[1].stamp != c._decisions:  # up to the poor request's latest replan
         c.plan(["poor"], kinds)
     give_history(c, ["rich"], high_survival())
     qs = [c.plan(["rich"], kinds).q for _ in range(c.refresh_steps // 4 + 1)]

@@ -42,3 +42,57 @@ def test_the_scan_sees_each_import_form():
              if any(n == m or n.startswith(m + ".") for m in IN_TREE)]
     assert found == ["vllm.v1.spec_decode.dflash", "vllm.model_executor.models.qwen3_dflash",
                      "vllm.v1.spec_decode.dflash"]
+
+
+IMPORTER_PROBE = r"""
+import builtins, importlib, json, pkgutil, sys
+IN_TREE = ("vllm.v1.spec_decode.dflash", "vllm.model_executor.models.qwen3_dflash")
+importers = []
+real_import = builtins.__import__
+
+def watching(name, globals=None, locals=None, fromlist=(), level=0):
+    module = real_import(name, globals, locals, fromlist, level)
+    by = (globals or {}).get("__name__", "?")
+    wanted = [name] + [f"{name}.{f}" for f in (fromlist or ())]
+    if level:  # relative: resolve against the importer's package
+        base = ((globals or {}).get("__package__") or "").rsplit(".", level - 1)[0]
+        wanted = [f"{base}.{name}" if name else base] + [f"{base}.{name}.{f}" if name else f"{base}.{f}"
+                                                         for f in (fromlist or ())]
+    if any(w == m or w.startswith(m + ".") for w in wanted for m in IN_TREE):
+        importers.append(by)
+    return module
+
+builtins.__import__ = watching
+real_import_module = importlib.import_module
+def watching_module(name, package=None):
+    if any(name == m or name.startswith(m + ".") for m in IN_TREE):
+        importers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+    return real_import_module(name, package)
+importlib.import_module = watching_module
+
+from importlib.metadata import entry_points
+(ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("vllm_dflash")]
+ep.load()()  # the plugin as vLLM loads it
+import vllm_dflash
+for info in pkgutil.walk_packages(vllm_dflash.__path__, "vllm_dflash."):
+    if not info.name.startswith("vllm_dflash.reference"):  # torch-only, no vLLM
+        importlib.import_module(info.name)
+print(json.dumps(sorted(set(importers))))
+"""
+
+
+def test_at_run_time_only_vllm_imports_its_in_tree_dflash():
+    """Loading the plugin and every vllm_dflash module, in a fresh process with the import
+    machinery watched: the in-tree DFlash modules are imported, but only by vLLM's own
+    modules (its runner and its generic base proposer), never by a plugin module; this sees
+    dynamic imports the source scan above cannot."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", IMPORTER_PROBE], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    importers = json.loads(out.stdout.strip().splitlines()[-1])
+    assert importers, "the probe saw no import of the in-tree DFlash at all: it is not watching"
+    assert all(name.startswith("vllm.") for name in importers), importers

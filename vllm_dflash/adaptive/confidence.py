@@ -34,17 +34,25 @@ FEATURES = ("margin", "top1")
 DEFAULT_FEATURE = "margin"
 
 
-def draft_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (feature [N], prior [N]), float32, on the logits' device."""
+def _scored(logits: torch.Tensor, feature: str):
+    """(float32 logits, the top-1 index the feature's own pass found, feature, prior, the
+    top-1/top-2 margin or None): the one pass over the vocabulary both functions below make."""
     if feature not in FEATURES:
         raise ValueError(f"confidence feature {feature!r}: choose one of {FEATURES}")
     x = logits.float()
     if feature == "margin":
-        top = x.topk(2, dim=-1).values
-        d = top[:, 0] - top[:, 1]
-        return torch.tanh(d / 2), torch.sigmoid(d)
-    p1 = torch.exp(x.max(dim=-1).values - torch.logsumexp(x, dim=-1))
-    return p1, p1
+        top = x.topk(2, dim=-1)
+        d = top.values[:, 0] - top.values[:, 1]
+        return x, top.indices[:, 0], torch.tanh(d / 2), torch.sigmoid(d), d
+    values, ids = x.max(dim=-1)
+    p1 = torch.exp(values - torch.logsumexp(x, dim=-1))
+    return x, ids, p1, p1, None
+
+
+def draft_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (feature [N], prior [N]), float32, on the logits' device."""
+    _, _, feat, prior, _ = _scored(logits, feature)
+    return feat, prior
 
 
 def argmax_with_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE
@@ -55,23 +63,15 @@ def argmax_with_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE
     as long as the vocabulary (150k for Qwen3), so a second pass costs about as
     much as the confidence itself. Ties keep argmax's first index (topk does not
     promise it), so adaptive and static drafts are the same tokens."""
-    if feature not in FEATURES:
-        raise ValueError(f"confidence feature {feature!r}: choose one of {FEATURES}")
-    x = logits.float()
-    if feature == "top1":
-        values, ids = x.max(dim=-1)
-        p1 = torch.exp(values - torch.logsumexp(x, dim=-1))
-        return ids, (p1, p1)
-    top = x.topk(2, dim=-1)
-    d = top.values[:, 0] - top.values[:, 1]
-    if x.device.type == "cpu":
-        ids = top.indices[:, 0]
-        tie = d == 0
-        if bool(tie.any()):  # free on the host; rare
-            ids = torch.where(tie, x.argmax(dim=-1), ids)
-    else:  # on a GPU the tie check would wait for the device; a second pass does not
-        ids = x.argmax(dim=-1)
-    return ids, (torch.tanh(d / 2), torch.sigmoid(d))
+    x, ids, feat, prior, margin = _scored(logits, feature)
+    if margin is not None:
+        if x.device.type == "cpu":
+            tie = margin == 0
+            if bool(tie.any()):  # free on the host; rare
+                ids = torch.where(tie, x.argmax(dim=-1), ids)
+        else:  # on a GPU the tie check would wait for the device; a second pass does not
+            ids = x.argmax(dim=-1)
+    return ids, (feat, prior)
 
 
 def sampled_confidence(conf: tuple[torch.Tensor, torch.Tensor], probs: torch.Tensor, draft_ids: torch.Tensor,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,20 @@ from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
 from vllm_dflash.adaptive.realized import RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, FORCED = "optimal", "warmup", "explore", "forced"
+
+
+class _CachedPlan(NamedTuple):
+    """A batch size's plan and the curves it came from, reused until it is stale."""
+
+    stamp: int  # the decision it was made at
+    step: np.ndarray  # E over B = 0..R*k verified positions
+    draft: np.ndarray  # D over q = 0..k
+    q: int
+    seconds: float  # the planned cycle's predicted seconds
+    full_seconds: float  # the costliest cycle's (full blocks, all verified)
+    factors: tuple[float, float]  # the realised/forecast time factors the plan used
+    interval: int  # decisions until the next replan
+    req_ids: list[str]  # the requests it was made for
 
 
 @dataclass
@@ -103,9 +118,7 @@ class BudgetController:
         self._explore_next = False  # coasting() drew this step's exploration; plan() carries it out
         # request ids -> [R] logit shifts of their acceptance (AdaptiveSpeculation's RequestOffsets)
         self.request_shifts: Callable[[list[str]], np.ndarray] | None = None
-        # Per batch size: (decision stamp, E over B = 0..R*k, D over q = 0..k, planned q, its seconds, full seconds,
-        # the realised/forecast factors the plan used, decisions until the next replan, the requests it was for).
-        self._cache: dict[int, tuple] = {}
+        self._cache: dict[int, _CachedPlan] = {}  # per batch size
 
     # ------------------------------------------------------------- planning --
 
@@ -176,10 +189,10 @@ class BudgetController:
         explores if that is what this step drew)."""
         requests = len(req_ids)
         entry = self._cache.get(requests)
-        if (entry is None or entry[3] != 0 or self._stale(entry, req_ids, 1)
-                or self._factors_moved(entry[6], self.realized.factors(requests))):
+        if (entry is None or entry.q != 0 or self._stale(entry, req_ids, 1)
+                or self._factors_moved(entry.factors, self.realized.factors(requests))):
             return False
-        if self.rng.random() < self._explore_probability(entry[4], entry[5]):
+        if self.rng.random() < self._explore_probability(entry.seconds, entry.full_seconds):
             self._explore_next = True
             return False
         self._decisions += 1
@@ -196,7 +209,7 @@ class BudgetController:
         self._decisions += 1
         entry = self._cache.get(requests)
         factors = self.realized.factors(requests)
-        moved = entry is not None and self._factors_moved(entry[6], factors)
+        moved = entry is not None and self._factors_moved(entry.factors, factors)
         if entry is None or self._stale(entry, req_ids) or moved:
             k = self.max_k
             step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
@@ -209,20 +222,20 @@ class BudgetController:
             # A plan that comes out the same again is trusted for twice as long (up to 4x
             # `refresh_steps`): in a steady regime replanning is most of what a step
             # without drafting costs the controller.
-            same = entry is not None and not moved and q == entry[3] and req_ids == entry[8]
-            interval = min(2 * entry[7], 4 * self.refresh_steps) if same else self.refresh_steps
-            entry = (self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids)
+            same = entry is not None and not moved and q == entry.q and req_ids == entry.req_ids
+            interval = min(2 * entry.interval, 4 * self.refresh_steps) if same else self.refresh_steps
+            entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids)
             self._cache[requests] = entry
-        return entry[1:6]
+        return entry.step, entry.draft, entry.q, entry.seconds, entry.full_seconds
 
-    def _stale(self, entry: tuple, req_ids: list[str], ahead: int = 0) -> bool:
+    def _stale(self, entry: _CachedPlan, req_ids: list[str], ahead: int = 0) -> bool:
         """The plan `entry` is due for a redo at this decision (`ahead`: counted from the
         next one). A plan made for other requests is redone after a quarter of
         `refresh_steps`: it rests on their survival priors (at one request, on the
         previous request's), and a new request has its own after a few drafts."""
-        age = self._decisions + ahead - entry[0]
-        if req_ids == entry[8]:
-            return age >= entry[7]
+        age = self._decisions + ahead - entry.stamp
+        if req_ids == entry.req_ids:
+            return age >= entry.interval
         return age >= max(1, self.refresh_steps // 4)
 
     @staticmethod
@@ -269,7 +282,7 @@ class BudgetController:
         entry = self._cache.get(requests)
         if entry is None:
             return 0.0
-        step, draft = entry[1], entry[2]
+        step, draft = entry.step, entry.draft
         return float(step[min(total_budget, len(step) - 1)] + draft[min(q, len(draft) - 1)])
 
     # -------------------------------------------------------------- budgets --
@@ -291,8 +304,8 @@ class BudgetController:
         if live == 0:
             return np.zeros(rows, dtype=np.int64)
         entry = self._cache.get(live)
-        if entry is not None and self._decisions - entry[0] < entry[7]:
-            step = entry[1][: live * width + 1]
+        if entry is not None and self._decisions - entry.stamp < entry.interval:
+            step = entry.step[: live * width + 1]
         else:
             step = self.step_cost.predict(live, 1.0 + np.arange(live * width + 1) / live)
         rows_live = survival if live == rows else survival[eligible]

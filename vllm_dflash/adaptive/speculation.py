@@ -103,19 +103,11 @@ class AdaptiveSpeculation:
         num_verified = np.asarray(num_verified, dtype=np.int64)
         num_accepted = np.asarray(num_accepted, dtype=np.int64)
         self._observe(req_ids, num_verified, num_accepted)
-        self._steps_since_learning += 1
-        if self._steps_since_learning >= self.learn_every:
-            self.learn()
         requests = len(req_ids)
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = (self._prev_end is not None and requests > 0 and same_or_fewer
                   and num_tokens == requests + int(num_verified.sum()))
-        if steady:
-            outside = now - self._prev_end
-            self.controller.step_cost.observe(requests, num_tokens / requests, outside)
-            if self._prev_cycle is not None and len(self._prev_req_ids) == requests:
-                q, forecast, drafting = self._prev_cycle  # that call's cycle ends here
-                self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
+        self._learn_and_sample(now, requests, num_tokens, steady)
         kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
         eligible = np.asarray(eligible, dtype=bool)
         planner = self.schedule or self.controller
@@ -135,19 +127,27 @@ class AdaptiveSpeculation:
                 or num_tokens != requests or req_ids != self._prev_req_list
                 or not self.controller.coasting(req_ids)):
             return False
-        self._steps_since_learning += 1
-        if self._steps_since_learning >= self.learn_every:
-            self.learn()
-        outside = now - self._prev_end
-        self.controller.step_cost.observe(requests, 1.0, outside)
-        if self._prev_cycle is not None:
-            q, forecast, drafting = self._prev_cycle
-            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
+        self._learn_and_sample(now, requests, num_tokens, steady=True)
         everyone = self._all_eligible.get(requests)
         if everyone is None:
             everyone = self._all_eligible[requests] = np.ones(requests, dtype=bool)
         self._step = StepState(now, self._prev_req_list, np.zeros(0, dtype=np.int64), everyone, Plan(0, OPTIMAL))
         return True
+
+    def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool) -> None:
+        """Every step: the batched learning when due; on a steady step (the same or fewer
+        requests, plain decode plus the verified drafts) the E(R, tokens) sample and, when
+        the batch is unchanged, the realised/forecast time of the cycle that ends here."""
+        self._steps_since_learning += 1
+        if self._steps_since_learning >= self.learn_every:
+            self.learn()
+        if not steady:
+            return
+        outside = now - self._prev_end
+        self.controller.step_cost.observe(requests, num_tokens / requests, outside)
+        if self._prev_cycle is not None and len(self._prev_req_ids) == requests:
+            q, forecast, drafting = self._prev_cycle  # that call's cycle ends here
+            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""

@@ -383,11 +383,11 @@ class DFlashProposer(SpecDecodeBaseProposer):
         batch_size = common_attn_metadata.num_reqs
         # Coasting (no plan needed, nothing drafted) is decided per rank: only alone, since
         # under tensor parallelism the ranks must agree on q through a collective.
-        if self._tp_size == 1 and self.adaptive.coast(self._step_clock(), self.runner.input_batch.req_ids[:batch_size],
-                                                     num_tokens):
+        t0 = self._step_clock()
+        if self._tp_size == 1 and self.adaptive.coast(t0, self.runner.input_batch.req_ids[:batch_size], num_tokens):
             q = 0
         else:
-            q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True)
+            q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True, t0=t0)
         if q > 0:
             self._planned_q = q
             return None
@@ -413,7 +413,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         return self._finish_adaptive(drafts, conf)
 
     def _begin_adaptive(self, batch_size: int, num_tokens: int, num_rejected_tokens_gpu: torch.Tensor | None,
-                        sampling_metadata: SamplingMetadata, nothing_verified: bool = False) -> int:
+                        sampling_metadata: SamplingMetadata, nothing_verified: bool = False,
+                        t0: float | None = None) -> int:
         """The step's query length q, after the last step's outcomes are learned.
 
         From the runner's batch: the request ids (rows move between steps:
@@ -421,8 +422,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         this step (`input_batch.spec_token_ids`, what the scheduler actually
         scheduled) and, with `num_rejected_tokens_gpu`, how many were accepted;
         partial prefills (`discard_request_mask`) and seeded sampled requests
-        (reproducibility) get no budget. The drafting clock starts here."""
-        t0 = self._step_clock()
+        (reproducibility) get no budget. The drafting clock starts here (or at `t0`,
+        when the caller already read it)."""
+        if t0 is None:
+            t0 = self._step_clock()
         adaptive, runner = self.adaptive, self.runner
         batch = runner.input_batch
         req_ids = batch.req_ids[:batch_size]
