@@ -4,7 +4,8 @@ tiny end-to-end run.
 The end-to-end run uses the bundled trained pair (models/toy-target and
 models/toy-draft) with k=7; modes none, dflash (the plugin, k every step),
 dflash-adaptive (the plugin's adaptive speculation) and dflash-vllm
-(in-tree), categories code, math and mixed, concurrency 1 and 2, eager float32 engines (bfloat16 verification
+(in-tree), categories code, math and mixed, concurrency 1 and 2 (requests in
+flight: the steps of plain decoding count them), eager float32 engines (bfloat16 verification
 of k+1 tokens at once can flip near-ties; in float32 greedy outputs must equal
 no speculation exactly). Validation tests use a tiny random pair. It checks that every figure is
 present and consistent (acceptance length within [1, k+1], histogram and
@@ -28,7 +29,7 @@ import pytest
 from limits import HANG_GUARD_S
 
 from vllm_dflash.bench import cli, metrics, prompts
-from vllm_dflash.bench.runner import batches_for, mode_env, speculative_config
+from vllm_dflash.bench.runner import batches_for, in_flight, mode_env, speculative_config
 from serving_pairs import TOY_DRAFT, TOY_TARGET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,6 +166,23 @@ def test_batches_cycle_prompts_to_full_batches():
     assert batches_for(ps, 2) == [[[1], [2]], [[3], [1]]]
     assert batches_for(ps, 4) == [[[1], [2], [3], [1]]]
     assert batches_for(ps, 1) == [[[1]], [[2]], [[3]]]
+
+
+def test_in_flight_caps_the_scheduler_and_restores_it():
+    scheduler = SimpleNamespace(max_num_running_reqs=64, max_num_active_reqs=64)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(
+        engine_core=SimpleNamespace(scheduler=scheduler))))
+    with in_flight(llm, 4):
+        assert (scheduler.max_num_running_reqs, scheduler.max_num_active_reqs) == (4, 4)
+    assert (scheduler.max_num_running_reqs, scheduler.max_num_active_reqs) == (64, 64)
+    with pytest.raises(KeyError), in_flight(llm, 2):
+        raise KeyError("a failing generate")
+    assert (scheduler.max_num_running_reqs, scheduler.max_num_active_reqs) == (64, 64)
+    with in_flight(llm, 128):  # never above what the engine was built for
+        assert scheduler.max_num_running_reqs == 64
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0.*--batching waves"), \
+            in_flight(SimpleNamespace(llm_engine=None), 2):
+        pass
 
 
 def test_modes_map_to_speculative_config_and_env():
@@ -398,6 +416,9 @@ def test_bench_end_to_end(tmp_path):
         assert c["steps"] * split["step"] / 1e3 == pytest.approx(c["step_s"]), where
         if c["mode"] == "none":
             assert "acceptance" not in c and c["draft_s"] == 0.0, where
+            # c requests in flight, one token per request and step: a cell of n requests takes
+            # n / c * 24 steps (at c = 1 one request after the other, not all at once).
+            assert c["steps"] == n_req // c["concurrency"] * 24, where
             continue
         assert ("adaptive" in c) == (c["mode"] == "dflash-adaptive"), where
         acc, k = c["acceptance"], c["num_spec_tokens"]

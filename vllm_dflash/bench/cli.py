@@ -64,7 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", default="none,dflash,dflash-vllm,ngram",
                    help=f"comma-separated, from {', '.join(MODES)} (dflash: the plugin drafting k tokens every "
                         "step; dflash-adaptive: the plugin's default adaptive speculation, k at most)")
-    g.add_argument("--concurrency", default="1,4,16", help="requests per LLM.generate batch, comma-separated")
+    g.add_argument("--concurrency", default="1,4,16",
+                   help="requests in flight, comma-separated (a finished request is replaced at once, as with "
+                        "vllm bench serve --max-concurrency)")
+    g.add_argument("--batching", choices=("in-flight", "waves"), default="in-flight",
+                   help="in-flight: c requests run at any time; waves: batches of c, each waiting for its "
+                        "slowest request (idle slots: speculation pays for uneven finishes, plain decoding "
+                        "does not)")
     g.add_argument("--num-spec-tokens", default=None,
                    help="comma-separated draft lengths k (default: the draft's block_size - 1, else 15)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -486,6 +492,7 @@ def base_spec(args: argparse.Namespace, token_prompts: dict[str, list[list[int]]
     max_model_len = args.max_model_len or 64 * math.ceil((longest + args.max_tokens + max_k + 8) / 64)
     return {"target": args.target, "draft": args.draft, "eagle3_head": args.eagle3_head,
             "has_tokenizer": has_tok, "prompts": token_prompts, "concurrency": args.concurrency,
+            "batching": args.batching,
             "temperature": args.temperature, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
             "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "max_model_len": max_model_len,
             "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -10,11 +10,18 @@ The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the
 runner can time the model runner's steps and its draft calls directly and
 record which proposer class actually ran.
 
-Concurrency c means offline batches of c requests through LLM.generate;
-each category's prompts are cycled to fill every batch. Only the generate
-calls are timed; counters are read around each (category, concurrency)
-cell. One engine serves every concurrency (max_num_seqs = the largest): a
-batch of c requests never has more than c running.
+Concurrency c means c requests in flight, as `vllm bench serve
+--max-concurrency c` has it: each (category, concurrency) cell hands all its
+prompts (each category's cycled to a multiple of c) to one LLM.generate call,
+and the scheduler runs at most c of them at a time, admitting the next one
+as soon as one finishes. One engine serves every concurrency (max_num_seqs =
+the largest); the cell lowers the scheduler's limit to c (`in_flight`).
+Batches of c that each wait for their slowest request (`--batching waves`)
+measure something else: a request that finishes early leaves its slot idle,
+which no server does, and which costs speculation (requests finish at
+different steps) but not plain decoding (same-length requests finish
+together). Only the generate calls are timed; counters are read around each
+cell.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 from vllm_dflash import envs, profiler
 from vllm_dflash.bench.metrics import TIMED_PARTS
 from vllm_dflash.bench.turns import Turns
-from vllm_dflash.patches.model_runner import model_runner_of
+from vllm_dflash.patches.model_runner import model_runner_of, scheduler_of
 
 # dflash: the plugin drafting k tokens every step (`adaptive: false`); dflash-adaptive:
 # the plugin's default, adaptive speculation with k the most per request and step.
@@ -79,6 +86,25 @@ def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[in
     n = math.ceil(len(prompts) / concurrency) * concurrency
     cycled = [prompts[i % len(prompts)] for i in range(n)]
     return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
+
+
+BATCHING = ("in-flight", "waves")
+
+
+@contextlib.contextmanager
+def in_flight(llm: Any, limit: int):
+    """At most `limit` requests run at once inside the block (the engine's own limit after)."""
+    scheduler = scheduler_of(llm)
+    if scheduler is None:
+        raise RuntimeError("the bench caps requests in flight on the scheduler of an in-process engine; "
+                           "run it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (python -m vllm_dflash.bench.runner "
+                           "sets it), or use --batching waves")
+    saved = scheduler.max_num_running_reqs, scheduler.max_num_active_reqs
+    scheduler.max_num_running_reqs = scheduler.max_num_active_reqs = min(limit, saved[0])
+    try:
+        yield
+    finally:
+        scheduler.max_num_running_reqs, scheduler.max_num_active_reqs = saved
 
 
 def read_profile(path: str | None) -> dict | None:
@@ -163,6 +189,8 @@ def run(spec: dict) -> dict:
     for category, prompts in spec["prompts"].items():
         for c in concurrency:
             batches = batches_for(prompts, c)
+            if spec.get("batching", "in-flight") == "in-flight":
+                batches = [[p for batch in batches for p in batch]]  # one call; c at a time
             cell: dict[str, Any] = {"category": category, "concurrency": c, "wall_s": 0.0,
                                     "prompt_tokens": 0, "output_tokens": 0, "requests": [],
                                     "output_digests": []}
@@ -176,7 +204,8 @@ def run(spec: dict) -> dict:
                 for rep in range(spec["repeats"]):
                     for batch in batches:
                         t = time.perf_counter()
-                        outs = generate(batch)
+                        with in_flight(llm, c) if len(batch) > c else contextlib.nullcontext():
+                            outs = generate(batch)
                         cell["wall_s"] += time.perf_counter() - t
                         for o in outs:
                             ids = list(o.outputs[0].token_ids)

@@ -28,6 +28,14 @@ def model_runner_of(llm: Any) -> Any | None:
         return None
 
 
+def scheduler_of(llm: Any) -> Any | None:
+    """The scheduler of an `LLM` whose engine runs in this process, else None."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return None
+
+
 def _hop(symbol: str, name: str) -> VllmInternal:
     return VllmInternal(
         symbol=symbol,
@@ -43,7 +51,37 @@ def _hop(symbol: str, name: str) -> VllmInternal:
 ENTRIES: list[VllmInternal] = [
     _hop("vllm.v1.engine.llm_engine:LLMEngine", "engine_core"),
     _hop("vllm.v1.engine.core_client:InprocClient", "engine_core"),
-    _hop("vllm.v1.engine.core:EngineCore", "model_executor"),
+    VllmInternal(
+        symbol="vllm.v1.engine.core:EngineCore",
+        kind="read",
+        process=("bench",),
+        why=f"one hop of {CHAIN} (model_runner_of); the bench reaches the in-process scheduler there "
+        "(scheduler_of) to cap the requests in flight per cell",
+        how="getattr(engine_core, 'model_executor'), getattr(engine_core, 'scheduler')",
+        remove_when=UNTIL + "; scheduler: when LLM.generate takes a per-call limit on concurrent requests",
+        names=("model_executor", "scheduler"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.core.sched.scheduler:Scheduler",
+        kind="read",
+        process=("bench",),
+        why="concurrency c in the bench means c requests in flight, a finished one replaced at once by the next "
+        "(as `vllm bench serve --max-concurrency`), on one engine built for the largest c: the cell lowers "
+        "the scheduler's limits on running and admitted requests to c and restores them after",
+        how="set scheduler.max_num_running_reqs and scheduler.max_num_active_reqs; schedule() admits a waiting "
+        "request only while len(running) is below max_num_active_reqs",
+        remove_when="LLM.generate takes a per-call limit on concurrent requests",
+        names=("max_num_running_reqs", "max_num_active_reqs"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        kind="mirror",
+        process=("bench",),
+        why="the per-cell cap on requests in flight works only while schedule() reads the limit at every call",
+        how="source_has: the admission check against max_num_active_reqs",
+        remove_when="LLM.generate takes a per-call limit on concurrent requests",
+        source_has=("if num_running >= self.max_num_active_reqs:",),
+    ),
     _hop("vllm.v1.executor.uniproc_executor:UniProcExecutor", "driver_worker"),
     _hop("vllm.v1.worker.worker_base:WorkerWrapperBase", "worker"),
     _hop("vllm.v1.worker.gpu_worker:Worker", "model_runner"),
