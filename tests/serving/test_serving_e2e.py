@@ -88,7 +88,7 @@ def workload() -> tuple[list[list[int]], list[int], list[int]]:
 
 
 def engine_kwargs(target_dir: str, draft_dir: str, k: int | None, adaptive: bool = False,
-                  eager: bool | None = None) -> dict:
+                  eager: bool | None = None, prefix_caching: bool = True) -> dict:
     kwargs = dict(
         model=target_dir,
         skip_tokenizer_init=True,
@@ -99,7 +99,7 @@ def engine_kwargs(target_dir: str, draft_dir: str, k: int | None, adaptive: bool
         max_num_batched_tokens=128,
         block_size=32,
         num_gpu_blocks_override=14,  # ~13 usable blocks for 8 requests: forces preemption
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         enforce_eager=k != COMPILED_K if eager is None else eager,
     )
     if k is not None:
@@ -186,13 +186,14 @@ def generate(llm, prompts, max_tokens):
 
 
 def run_engine(target_dir: str, draft_dir: str, k: int | None, phases=("batch8", "batch1", "long"),
-               adaptive: bool = False, schedule: str | None = None, eager: bool | None = None) -> dict:
+               adaptive: bool = False, schedule: str | None = None, eager: bool | None = None,
+               prefix_caching: bool = True) -> dict:
     """Run the workload on one engine; returns outputs, drafter facts and proposals.
     `schedule`: a forced adaptive schedule (VLLM_DFLASH_ADAPTIVE_SCHEDULE, test hook)."""
     from engines import vllm_engine
 
     env = {envs.ADAPTIVE_SCHEDULE_ENV: schedule} if schedule else None  # read when the proposer is built
-    with vllm_engine(env=env, **engine_kwargs(target_dir, draft_dir, k, adaptive, eager)) as llm:
+    with vllm_engine(env=env, **engine_kwargs(target_dir, draft_dir, k, adaptive, eager, prefix_caching)) as llm:
         return _run_workload(llm, k, phases)
 
 
@@ -240,6 +241,7 @@ def _run_workload(llm, k: int | None, phases) -> dict:
     result["preemptions"] = len(preemptions)
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
+        result["dropped_context_rows"] = runner.drafter.deferred_context.dropped_rows
     return result
 
 
@@ -324,6 +326,10 @@ ADAPTIVE_RUNS = {
     "jump": dict(schedule="jump", phases=("batch8", "long"), eager=True),
     # full blocks, except 36 steps without drafting: the context KV must be intact after.
     "pause": dict(schedule=f"pause:{PAUSE[0]}:{PAUSE[1]}", phases=("batch8",), eager=True),
+    # the same without prefix caching: held context rows of requests that finish during the
+    # pause are dropped, never written; the live requests' cache must still be intact.
+    "pause_nocache": dict(schedule=f"pause:{PAUSE[0]}:{PAUSE[1]}", phases=("batch8",), eager=True,
+                          prefix_caching=False),
     # the real controller, torch.compile on (vLLM's default path).
     "controller": dict(schedule=None, phases=("batch8", "long"), eager=False),
 }
@@ -446,7 +452,7 @@ def test_forced_schedule_mixes_budgets_within_batches(adaptive):
     assert stats["query_hist"][0] >= 5 and stats["query_hist"][15] >= 5
 
 
-@pytest.mark.parametrize("name", ["jump", "pause"])
+@pytest.mark.parametrize("name", ["jump", "pause", "pause_nocache"])
 def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, baseline, adaptive, name):
     """Every decode-time draft block equals the pure-torch reference on the full prefix,
     including the first blocks after steps that drafted nothing: the context KV of
@@ -460,7 +466,11 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
         assert len(compared) > 5, phase
         bad = [(step, idx, ours, ref) for step, idx, ours, ref in compared if ours != ref]
         assert not bad, f"{name}/{phase}: {len(bad)}/{len(compared)} drafts differ, first: {bad[:3]}"
-    if name == "pause":  # the pause happened, and drafting resumed after it
+    if name == "pause_nocache":  # requests finished during the pause: their held rows were dropped
+        assert run["dropped_context_rows"] > 0
+    elif name == "pause":  # with prefix caching every held row is written
+        assert run["dropped_context_rows"] == 0
+    if name.startswith("pause"):  # the pause happened, and drafting resumed after it
         calls = run["proposals_batch8"]
         assert all(not c for c in calls[PAUSE[0]:PAUSE[1]]) and sum(bool(c) for c in calls[PAUSE[1]:]) > 5
         # and (all but its first step, which verified the last drafts) it skipped vLLM's drafting
@@ -474,7 +484,7 @@ def test_steps_without_drafts_run_plain(plugin, adaptive):
     for name, run in [*((f"k={k}", r) for k, r in plugin.items()), *adaptive.items()]:
         lens = run["verified_spec_len"]
         assert None in lens and all(n is None or n > 0 for n in lens), (name, lens[:40])
-        if name in ("jump", "pause"):   # the forced schedules' no-draft decode steps were plain
+        if name in ("jump", "pause", "pause_nocache"):   # the forced schedules' no-draft decode steps were plain
             assert lens.count(None) >= run["unverified_steps_batch8"], name
 
 

@@ -30,7 +30,9 @@ def test_learns_a_surface_and_interpolates_unseen_points():
         r = int(rng.choice([1, 4, 16, 64]))
         t = float(rng.choice([1, 4, 8, 16]))
         cost.observe(r, t, linear_cost(r, t))
-    for r, t in ((4, 6.0), (16, 2.5), (64, 12.0), (8, 8.0)):  # t and R between measured knots
+    # t and R between measured knots (t = 1, no drafts, is a regime of its own: below t = 4 the
+    # shortest block measured prices shorter ones, test_shorter_blocks_than_measured_...)
+    for r, t in ((4, 6.0), (16, 5.5), (64, 12.0), (8, 8.0)):
         got = float(cost.predict(r, [t])[0])
         assert got == pytest.approx(linear_cost(r, t), rel=0.15), (r, t)
 
@@ -86,6 +88,23 @@ def test_never_zero_and_pessimistic_beyond_the_measured_range():
     assert pred[1] == pytest.approx(0.004)
     assert pred[2] == pytest.approx(0.016)  # through the origin: 4x the tokens, 4x the time
     assert cost.predict(64, [2.0])[0] > pred[1]  # a batch never measured borrows and scales by R
+
+
+def test_shorter_blocks_than_measured_cost_the_shortest_measured_one():
+    """Warm-up at a large batch measured no draft (16 ms) and full blocks (t = 16: 100 ms)
+    only. A one-token block is then priced at the full block's 100 ms (an upper bound: the
+    cost does not fall below what is fixed per block), not at 100 * 2 / 16 = 12.5 ms, which
+    made drafting look cheaper than not drafting; once measured, its own cost counts."""
+    cost = StepCost(16, 64)
+    for _ in range(10):
+        cost.observe(64, 1.0, 0.016)
+        cost.observe(64, 16.0, 0.100)
+    pred = cost.predict(64, [1.0, 2.0, 8.0, 16.0])
+    assert pred[0] == pytest.approx(0.016)
+    assert pred[1] == pytest.approx(0.100) and pred[2] == pytest.approx(0.100) and pred[3] == pytest.approx(0.100)
+    for _ in range(10):
+        cost.observe(64, 2.0, 0.060)
+    assert cost.predict(64, [2.0])[0] == pytest.approx(0.060, rel=0.05)
 
 
 def test_outliers_are_clipped():

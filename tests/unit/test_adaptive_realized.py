@@ -122,3 +122,42 @@ def test_speculation_reports_each_steady_cycle_against_its_forecast():
     assert c.realized.weight[key].tolist() == [1.0, 0.0]  # one no-draft cycle
     # 2 ms drafting + 8 ms outside, against the 1 ms + 4 ms forecast
     assert c.realized.log_sum[key, 0] == pytest.approx(math.log(10e-3 / 5e-3))
+
+
+def test_drafts_yielding_fewer_tokens_than_expected_count_as_slower():
+    """A drafting cycle on time that yields half the tokens its budgets expected costs
+    twice the seconds per token: factor 2 (time and yield multiply); a no-draft cycle
+    yields what it expects."""
+    r = RealizedRatio([1, 2, 4, 8], memory=1e9, min_cycles=4)
+    for _ in range(4):
+        r.observe(8, True, forecast=0.1, seconds=0.1, expected_tokens=24.0, tokens=12.0)
+        r.observe(8, False, forecast=0.1, seconds=0.1, expected_tokens=8.0, tokens=8.0)
+    assert r.factors(8) == pytest.approx((1.0, 2.0))
+    for _ in range(4):
+        r.observe(4, True, forecast=0.1, seconds=0.15, expected_tokens=8.0, tokens=12.0)
+    assert r.factors(4)[1] == pytest.approx(1.0)  # 1.5x the time, 1.5x the tokens
+
+
+def test_a_plan_whose_drafts_yield_less_than_promised_is_planned_away():
+    """Drafting cycles on time, but each yielded only the bonus tokens (nothing accepted)
+    where the budgets expected more: the plan becomes no draft."""
+    spec = AdaptiveSpeculation(K, 64, seed=0, max_explore_probability=0.0, refresh_steps=1)
+    c, ids, kinds = _controller_drafting_at_8(refresh_steps=1)
+    spec.controller = c
+    greedy, everyone = np.ones(8, bool), np.ones(8, bool)
+    none = np.zeros(8, dtype=np.int64)
+    now, drafted = 0.0, 0
+    spec.begin(now, ids, none, none, 8, greedy, everyone)
+    for _ in range(12):
+        st = spec._step
+        q = st.plan.q
+        feature = np.full((8, q), 5.0)  # confident drafts: high expected acceptance
+        budgets = spec.choose(now + 1e-4, feature, np.full((8, q), 0.9)) if q else spec.choose(
+            now + 1e-4, np.zeros((8, 0)), np.zeros((8, 0)))
+        drafted += q > 0
+        forecast = c.forecast_seconds(8, q, int(budgets.sum()))
+        spec.end(now + 1e-4)
+        now += max(forecast, 1e-3)  # every cycle takes exactly its forecast
+        spec.begin(now, ids, budgets, none, 8 + int(budgets.sum()), greedy, everyone)  # nothing accepted
+    assert drafted >= 4 and spec._step.plan.q == 0
+    assert c.realized.factors(8)[1] > 1.3  # on time, so from the yield alone

@@ -95,3 +95,40 @@ def test_owned_features_are_held_without_a_copy():
     queue.hold(step, features_owned=True)
     held = queue.take()
     assert held.features is step.features and held.positions is not step.positions
+
+
+def test_rows_of_finished_requests_are_dropped_and_the_live_cache_is_unchanged():
+    """Requests a, b, c hold rows; a finishes, and its freed slots go to d. Written with
+    live = {b, c, d}, the cache holds what per-step writes leave at every live row's slot,
+    and a's rows are never written (its slots hold d's rows or nothing)."""
+    a, b = rows(2, 0, seed=1), rows(2, 4, seed=2)
+    step1 = ContextRows(*(torch.cat(p) for p in zip(a, b)))
+    c = rows(1, 8, seed=3)
+    d = rows(1, 0, seed=4)  # a's first slot, reused
+    queue = DeferredContext(max_rows=100)
+    assert queue.hold(step1, owners=["a", "a", "b", "b"])
+    assert queue.hold(c, owners=["c"])
+    with pytest.raises(ValueError, match="2 owners for 1 rows"):
+        queue.hold(d, owners=["d", "d"])
+    per_step = torch.zeros(16, 6)
+    for step in (step1, c, d):
+        write(per_step, step)
+    batched = torch.zeros(16, 6)
+    write(batched, queue.take(d, live={"b", "c", "d"}))
+    for slot in (0, 4, 5, 8):  # d's, b's and c's
+        assert torch.equal(batched[slot], per_step[slot]), slot
+    assert not batched[1].any()  # a's second row: dropped, never written
+    assert queue.dropped_rows == 2 and queue.rows == 0
+
+
+def test_rows_without_owners_or_without_live_are_all_written():
+    """Owners unknown, or no live set (prefix caching: a later request may read a finished
+    one's blocks): nothing is dropped."""
+    queue = DeferredContext(max_rows=100)
+    assert queue.hold(rows(2, 0, seed=1))
+    assert queue.hold(rows(1, 4, seed=2), owners=["gone"])
+    assert queue.take(live={"other"}).slots.tolist() == [0, 1]  # the unowned rows stay
+    assert queue.hold(rows(1, 4, seed=2), owners=["gone"])
+    assert queue.take().slots.tolist() == [4]
+    assert queue.hold(rows(1, 4, seed=2), owners=["gone"])
+    assert queue.take(live=set()) is None and queue.dropped_rows == 2

@@ -20,9 +20,10 @@ prediction fits t = 1 (no drafts) apart from t >= 2 (a jump: the query
 block's forward, verification), smooths each R row over t >= 2 (local straight-line fits, so a knot
 measured a few times leans on well-measured neighbours), fits it
 non-decreasing in t (weighted pool-adjacent-violators), interpolates linearly between knots that hold data,
-extrapolates outside them through the origin (t / t0 scaling: a cost that
-grows with the tokens computed, pessimistic for longer blocks until they are
-measured), and interpolates linearly in R between the nearest rows that hold
+extrapolates outside them pessimistically (longer blocks: the last slope, at
+least the line through the origin, t / t0 scaling, a cost that grows with the
+tokens computed; shorter blocks: the shortest measured block's cost, flat, as
+a cost that grows with t is bounded by it), and interpolates linearly in R between the nearest rows that hold
 data (below the smallest: that row; above the largest: scaled by R). t = 1
 at a size that never measured it comes from the sizes that did: interpolated,
 or, beyond them, their ratio to the two-token step applied to this size's own.
@@ -189,7 +190,12 @@ class StepCost:
         fit = pool_adjacent_violators(local_linear(ts, means, weights, self.bandwidth), weights)
         curve = np.interp(self.t_knots, ts, fit)  # once per row and observation, not per prediction
         below, above = self.t_knots < ts[0], self.t_knots > ts[-1]
-        curve[below] = fit[0] * self.t_knots[below] / ts[0]
+        # Shorter blocks than any measured cost no less than the shortest measured one: the
+        # cost does not grow with the block, so that bounds it from above. (A line through
+        # the origin would price a one-token block at 1/16 of the full block measured in
+        # warm-up, when most of a block's cost is fixed: at 64 requests a 1-token draft
+        # looked nearly free, and each one cost several plain steps.)
+        curve[below] = fit[0]
         if len(ts) >= 2 and ts[-1] > ts[-2]:
             slope = max((fit[-1] - fit[-2]) / (ts[-1] - ts[-2]), fit[-1] / ts[-1])
         else:

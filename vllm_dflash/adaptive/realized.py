@@ -9,9 +9,12 @@ every steady cycle reports realised / forecast seconds (the forecast for the
 q and B it actually ran), kept per batch-size knot, apart for cycles that
 drafted (q > 0) and cycles that did not; each kind's predicted seconds are
 scaled by its geometric-mean ratio once it has `min_cycles` cycles' worth of
-evidence. Only time is corrected here: acceptance has its own calibration,
-and the time of a cycle does not depend on the text, so a factor learned on
-one kind of request holds for the next. The ratios forget (`memory` cycles),
+evidence. A drafting cycle also counts how many tokens it yielded against the
+expected count its budgets were chosen on (`expected_tokens` / `tokens`): a
+factor on seconds per token, so a plan whose drafts yield less than promised
+(acceptance calibrated on average, but off for this text or batch size) is
+corrected by what actually came out, whichever estimate was wrong. A cycle
+without drafts yields one token per request, exactly as expected. The ratios forget (`memory` cycles),
 and exploration keeps both kinds measured. Four cycles suffice to act on: the
 errors that matter are factors of 1.5-2 (measured at a batch size the curves
 had only interpolated), and the controller replans as soon as a factor moves
@@ -46,11 +49,16 @@ class RealizedRatio:
         """The nearest knot."""
         return nearest_knot(self.knots, requests)
 
-    def observe(self, requests: int, drafted: bool, forecast: float, seconds: float) -> None:
-        """One cycle took `seconds` where the curves forecast `forecast` (<= 0: none)."""
+    def observe(self, requests: int, drafted: bool, forecast: float, seconds: float,
+                expected_tokens: float = 0.0, tokens: float = 0.0) -> None:
+        """One cycle took `seconds` where the curves forecast `forecast` (<= 0: none), and
+        yielded `tokens` where `expected_tokens` were expected (either <= 0: time only)."""
         if not (forecast > 0 and seconds > 0 and requests > 0):
             return
-        x = min(max(math.log(seconds / forecast), -self.log_clip), self.log_clip)
+        x = math.log(seconds / forecast)
+        if expected_tokens > 0 and tokens > 0:
+            x += math.log(expected_tokens / tokens)
+        x = min(max(x, -self.log_clip), self.log_clip)
         i, j = self.key(requests), int(drafted)
         keep = 1.0 - 1.0 / self.memory
         self.log_sum[i, j] = self.log_sum[i, j] * keep + x

@@ -53,6 +53,7 @@ class StepState:
     eligible: np.ndarray
     plan: Plan
     budgets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    expected_accepted: float = 0.0  # drafts the budgets were expected to have accepted
 
 
 def _stack_padded(arrays: list[np.ndarray], width: int) -> np.ndarray:
@@ -89,7 +90,8 @@ class AdaptiveSpeculation:
         self._prev_req_list: list[str] = []
         self._all_eligible: dict[int, np.ndarray] = {}  # read-only masks for coasting steps
         self._prev_end: float | None = None
-        self._prev_cycle: tuple[int, float, float] | None = None  # (q, forecast seconds, draft seconds) of the last call
+        # (q, forecast seconds, draft seconds, expected tokens) of the last call
+        self._prev_cycle: tuple[int, float, float, float] | None = None
         self._step: StepState | None = None
 
     @property
@@ -107,7 +109,7 @@ class AdaptiveSpeculation:
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = (self._prev_end is not None and requests > 0 and same_or_fewer
                   and num_tokens == requests + int(num_verified.sum()))
-        self._learn_and_sample(now, requests, num_tokens, steady)
+        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()))
         kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
         eligible = np.asarray(eligible, dtype=bool)
         planner = self.schedule or self.controller
@@ -134,10 +136,12 @@ class AdaptiveSpeculation:
         self._step = StepState(now, self._prev_req_list, np.zeros(0, dtype=np.int64), everyone, Plan(0, OPTIMAL))
         return True
 
-    def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool) -> None:
+    def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0) -> None:
         """Every step: the batched learning when due; on a steady step (the same or fewer
         requests, plain decode plus the verified drafts) the E(R, tokens) sample and, when
-        the batch is unchanged, the realised/forecast time of the cycle that ends here."""
+        the batch is unchanged, the realised/forecast time of the cycle that ends here and
+        the tokens it yielded (one per request plus the `accepted` drafts) against those
+        expected."""
         self._steps_since_learning += 1
         if self._steps_since_learning >= self.learn_every:
             self.learn()
@@ -146,8 +150,9 @@ class AdaptiveSpeculation:
         outside = now - self._prev_end
         self.controller.step_cost.observe(requests, num_tokens / requests, outside)
         if self._prev_cycle is not None and len(self._prev_req_ids) == requests:
-            q, forecast, drafting = self._prev_cycle  # that call's cycle ends here
-            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside)
+            q, forecast, drafting, expected = self._prev_cycle  # that call's cycle ends here
+            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside, expected,
+                                             requests + accepted)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
@@ -208,6 +213,10 @@ class AdaptiveSpeculation:
         budgets = planner.budgets(st.plan, survival, now - st.t0, st.eligible)
         budgets = np.where(st.eligible, np.minimum(budgets, feature.shape[1]), 0)
         st.budgets = budgets
+        if budgets.any():  # survival summed over each request's budget: its expected accepted drafts
+            rows = np.flatnonzero(budgets)
+            cumulative = np.cumsum(survival[rows], axis=1)
+            st.expected_accepted = float(cumulative[np.arange(rows.size), budgets[rows] - 1].sum())
         if st.eligible.all():
             self._drafted.append((st.req_ids, st.kinds, survival))
         else:
@@ -230,7 +239,7 @@ class AdaptiveSpeculation:
         forecast = 0.0
         if requests and st.plan.reason in (OPTIMAL, EXPLORE):  # forced and warm-up plans: no forecast
             forecast = self.controller.forecast_seconds(requests, st.plan.q, int(st.budgets.sum()))
-        self._prev_cycle = (st.plan.q, forecast, drafting)
+        self._prev_cycle = (st.plan.q, forecast, drafting, requests + st.expected_accepted)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)

@@ -93,13 +93,16 @@ ENTRIES: list[VllmInternal] = [
         "proposer and the CPU seeded-request rewind (patches.vllm_fixes) read which requests' samples vLLM "
         "discards this step (partial prefills): a seeded request draws its sampled drafts from its own "
         "generator except in those steps; the propose_draft_token_ids patch (patches.serving), returning draft "
-        "lists itself on a step without drafting, leaves the draft-probability state as vLLM's method does",
+        "lists itself on a step without drafting, leaves the draft-probability state as vLLM's method does; "
+        "the proposer reads the batch's request ids (input_batch) and, writing held-back context rows, which "
+        "requests the runner still holds (requests: finished ones are popped at the start of a step), to drop "
+        "the rows of finished ones",
         how="runner.drafter, runner.sampler, runner.rejection_sampler; runner.discard_request_mask.np[:num_reqs]; "
-        "set runner._draft_probs = runner._draft_prob_req_ids = None",
+        "set runner._draft_probs = runner._draft_prob_req_ids = None; runner.input_batch; req_id in runner.requests",
         remove_when=UNTIL + "; discard_request_mask: when vLLM's draft sampler takes per-request generators; "
         "_draft_probs*: with the propose_draft_token_ids patch",
         names=("drafter", "sampler", "rejection_sampler", "discard_request_mask", "_draft_probs",
-               "_draft_prob_req_ids"),
+               "_draft_prob_req_ids", "input_batch", "requests"),
     ),
     VllmInternal(
         symbol=f"{RUNNER}.execute_model",

@@ -19,10 +19,21 @@ have left:
 At most `max_rows` rows wait (the engine's token budget per step: what a
 single step's features already occupy); a step that would overflow writes
 the queue and itself at once.
+
+Rows of a request that finished while they waited need not be written at
+all when nothing can read them later: without prefix caching a finished
+request's blocks are only ever read again by the request that reuses them,
+after writing its own rows there. So held rows carry their request's id, and
+`take(live=...)` drops those of requests no longer live (with prefix caching
+on, the caller passes no `live`: a later request may hit the finished one's
+blocks, so every row is written). While speculation is off for good (many
+requests), most rows then finish unwritten: the context write, a few percent
+of the target's arithmetic per token, is not paid at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import NamedTuple
 
 import torch
@@ -60,32 +71,55 @@ class DeferredContext:
             raise ValueError(f"DeferredContext max_rows={max_rows} must be >= 1")
         self.max_rows = max_rows
         self._queued: list[ContextRows] = []
+        self._owners: list[list[str] | None] = []  # per queued batch: each row's request id (None: unknown)
         self._rows = 0
+        self.dropped_rows = 0  # rows of finished requests never written (a count, for tests and profiles)
 
     @property
     def rows(self) -> int:
         return self._rows
 
-    def hold(self, rows: ContextRows, features_owned: bool = False) -> bool:
+    def hold(self, rows: ContextRows, features_owned: bool = False, owners: list[str] | None = None) -> bool:
         """Queue a copy of `rows` (the runner reuses its buffers; `features_owned`: the
-        features are a tensor nobody else holds, queued as they are); False, queueing
-        nothing, when the queue would pass `max_rows`: write now, with `take()`."""
+        features are a tensor nobody else holds, queued as they are; `owners`: each
+        row's request id, None when unknown: never dropped); False, queueing nothing,
+        when the queue would pass `max_rows`: write now, with `take()`."""
         n = rows.features.shape[0]
         if self._rows + n > self.max_rows or rows.positions.dim() != 1:  # (M-RoPE positions: write now)
             return False
+        if owners is not None and len(owners) != n:
+            raise ValueError(f"DeferredContext.hold: {len(owners)} owners for {n} rows")
         features = rows.features if features_owned else rows.features.clone()
         self._queued.append(ContextRows(features, rows.positions.clone(), rows.slots.clone()))
+        self._owners.append(owners)
         self._rows += n
         return True
 
-    def take(self, rows: ContextRows | None = None) -> ContextRows | None:
+    def take(self, rows: ContextRows | None = None, live: Container[str] | None = None) -> ContextRows | None:
         """Everything queued followed by `rows`, as one batch to write now (None
-        when both are empty); the queue is emptied."""
-        batch = self._queued + ([rows] if rows is not None else [])
-        self._queued, self._rows = [], 0
+        when both are empty); the queue is emptied. With `live`, queued rows whose
+        request is not in it are dropped (see the module docstring)."""
+        queued, owners = self._queued, self._owners
+        self._queued, self._owners, self._rows = [], [], 0
+        if live is not None:
+            queued = [kept for part, who in zip(queued, owners) if (kept := self._live_rows(part, who, live))]
+        batch = queued + ([rows] if rows is not None else [])
         if not batch:
             return None
         if len(batch) == 1:
             return batch[0]
         features, positions, slots = (torch.cat(parts) for parts in zip(*batch))
         return ContextRows(features, positions, last_write_per_slot(slots))
+
+    def _live_rows(self, part: ContextRows, owners: list[str] | None, live: Container[str]) -> ContextRows | None:
+        """The rows of `part` whose request is live (all of them when owners are unknown)."""
+        if owners is None:
+            return part
+        keep = [r in live for r in owners]
+        if all(keep):
+            return part
+        self.dropped_rows += keep.count(False)
+        if not any(keep):
+            return None
+        index = torch.tensor([i for i, k in enumerate(keep) if k], device=part.slots.device)
+        return ContextRows(*(t.index_select(0, index) for t in part))

@@ -109,6 +109,9 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
         self.deferred_context = DeferredContext(vllm_config.scheduler_config.max_num_batched_tokens)
+        # Held rows of requests that finish before they are written are dropped, unless prefix caching may
+        # let a later request read the finished one's blocks (serving.context_queue).
+        self._drop_finished_context = not vllm_config.cache_config.enable_prefix_caching
         # A step in which no request verifies a draft runs vLLM's plain inputs and sampler (patches.serving:
         # _prepare_inputs), except on hybrid targets, whose recurrent layers read per-step draft counts.
         self.plain_steps_without_drafts = not vllm_config.model_config.is_hybrid
@@ -340,18 +343,25 @@ class DFlashProposer(SpecDecodeBaseProposer):
             conf = tuple(c.view(batch_size, q) for c in conf)
         return self.last_draft_block, conf
 
-    def _write_context(self, rows: ContextRows, hold: bool, features_owned: bool = False) -> None:
+    def _write_context(self, rows: ContextRows, hold: bool, features_owned: bool = False,
+                       owners: list[str] | None = None) -> None:
         """Write the context K/V of `rows` now, with whatever steps without drafting
-        queued before (`serving.context_queue`); or, with `hold` (this step drafts
-        nothing), queue them while the queue has room."""
-        if hold and self.deferred_context.hold(rows, features_owned):
+        queued before (`serving.context_queue`: rows of requests finished meanwhile are
+        dropped where nothing can read them); or, with `hold` (this step drafts nothing),
+        queue them while the queue has room (`owners`: each row's request id)."""
+        if hold and self.deferred_context.hold(rows, features_owned, owners):
             return
         if not self.deferred_context.rows:
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
             return
         t0 = time.perf_counter()
         held = self.deferred_context.rows
-        rows = self.deferred_context.take(rows)
+        # runner.requests: every request the runner still holds state for (finished ones are popped
+        # at the start of the step, before drafting); preempted ones stay in it.
+        live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
+        rows = self.deferred_context.take(rows, live)
+        if rows is None:
+            return
         self.model.store_context_kv(rows.features, rows.positions, rows.slots)
         # the held rows' share is what those steps would have paid: not this step's draft time
         self._held_context_seconds += (time.perf_counter() - t0) * held / rows.features.shape[0]
@@ -393,10 +403,19 @@ class DFlashProposer(SpecDecodeBaseProposer):
             return None
         features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)  # a new tensor: held as it is
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
-        self._write_context(rows, hold=True, features_owned=True)
+        self._write_context(rows, hold=True, features_owned=True,
+                            owners=self._row_owners(batch_size, num_tokens, common_attn_metadata))
         self._last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         return self._finish_adaptive(self.last_draft_block, None)
+
+    def _row_owners(self, batch_size: int, num_tokens: int, cad: CommonAttentionMetadata) -> list[str]:
+        """The request id of each of the step's `num_tokens` rows (rows run request by request)."""
+        req_ids = self.runner.input_batch.req_ids[:batch_size]
+        if num_tokens == batch_size:  # one new token per request: plain decode
+            return req_ids
+        counts = (cad.query_start_loc_cpu[1:batch_size + 1] - cad.query_start_loc_cpu[:batch_size]).tolist()
+        return [r for r, n in zip(req_ids, counts) for _ in range(n)]
 
     def _propose_adaptive(self, inputs: _StepInputs) -> list[list[int]]:
         """Per request, the draft tokens worth verifying (`vllm_dflash.adaptive`).
