@@ -4,6 +4,8 @@ must end exactly as per-step writes would have left it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -132,3 +134,30 @@ def test_rows_without_owners_or_without_live_are_all_written():
     assert queue.take().slots.tolist() == [4]
     assert queue.hold(rows(1, 4, seed=2), owners=["gone"])
     assert queue.take(live=set()) is None and queue.dropped_rows == 2
+
+
+def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
+    """A drafting step writes the held rows with its own: the held rows' share of that time
+    belongs to the steps that held them, not to this step's draft time. Rows of finished
+    requests dropped at the write are not part of it: 10 held rows (8 of a finished request)
+    and 2 new ones write 4 rows in 4 ms, of which the 2 held rows' share is 2 ms (counting
+    the 10 held rows made it 10 ms, more than the whole write, and the draft-time sample 0)."""
+    from vllm_dflash.serving import proposer as proposer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: clock[0])
+
+    class Model:
+        def store_context_kv(self, features, positions, slots):
+            clock[0] += 1e-3 * features.shape[0]  # 1 ms per row written
+
+    p = object.__new__(proposer_module.DFlashProposer)
+    p.model, p.deferred_context = Model(), DeferredContext(max_rows=100)
+    p.runner = SimpleNamespace(requests={"live": object()})
+    p._drop_finished_context, p._held_context_seconds = True, 0.0
+    p._write_context(rows(8, 0, seed=1), hold=True, owners=["gone"] * 8)
+    p._write_context(rows(2, 8, seed=2), hold=True, owners=["live"] * 2)
+    assert clock[0] == 0.0 and p.deferred_context.rows == 10  # held, nothing written yet
+    p._write_context(rows(2, 10, seed=3), hold=False)
+    assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
+    assert p._held_context_seconds == pytest.approx(2e-3)

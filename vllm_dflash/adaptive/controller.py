@@ -18,8 +18,9 @@ Two decisions per step:
    along a draft, so the chosen positions form a prefix of each draft).
 
 The curves' seconds for drafting and for not drafting are each scaled by
-how long cycles of that kind really took against their forecast, per batch
-size (`realized`): what the fits cannot see still reaches the decision.
+how long cycles of that kind really took per token against their forecast,
+per batch size (`realized`; a drafting cycle's tokens against those its
+budgets expected): what the fits cannot see still reaches the decision.
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from vllm_dflash.bench import metrics, prompts
-from vllm_dflash.bench.runner import MODES, mode_env
+from vllm_dflash.bench.runner import BATCHING, MODES, mode_env
 from vllm_dflash.machine import describe
 from vllm_dflash.profiler import PROFILE_ENV
 from vllm_dflash.serving.draft_sample import DRAFT_SAMPLE_CHOICES
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,4,16",
                    help="requests in flight, comma-separated (a finished request is replaced at once, as with "
                         "vllm bench serve --max-concurrency)")
-    g.add_argument("--batching", choices=("in-flight", "waves"), default="in-flight",
+    g.add_argument("--batching", choices=BATCHING, default=BATCHING[0],
                    help="in-flight: c requests run at any time; waves: batches of c, each waiting for its "
                         "slowest request (idle slots: speculation pays for uneven finishes, plain decoding "
                         "does not)")

@@ -88,7 +88,7 @@ def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[in
     return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
 
 
-BATCHING = ("in-flight", "waves")
+BATCHING = ("in-flight", "waves")  # --batching; the first is the default
 
 
 @contextlib.contextmanager
@@ -189,7 +189,7 @@ def run(spec: dict) -> dict:
     for category, prompts in spec["prompts"].items():
         for c in concurrency:
             batches = batches_for(prompts, c)
-            if spec.get("batching", "in-flight") == "in-flight":
+            if spec.get("batching", BATCHING[0]) == "in-flight":
                 batches = [[p for batch in batches for p in batch]]  # one call; c at a time
             cell: dict[str, Any] = {"category": category, "concurrency": c, "wall_s": 0.0,
                                     "prompt_tokens": 0, "output_tokens": 0, "requests": [],

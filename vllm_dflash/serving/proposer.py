@@ -355,16 +355,16 @@ class DFlashProposer(SpecDecodeBaseProposer):
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
             return
         t0 = time.perf_counter()
-        held = self.deferred_context.rows
+        own = rows.features.shape[0]
         # runner.requests: every request the runner still holds state for (finished ones are popped
         # at the start of the step, before drafting); preempted ones stay in it.
         live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
         rows = self.deferred_context.take(rows, live)
-        if rows is None:
-            return
         self.model.store_context_kv(rows.features, rows.positions, rows.slots)
-        # the held rows' share is what those steps would have paid: not this step's draft time
-        self._held_context_seconds += (time.perf_counter() - t0) * held / rows.features.shape[0]
+        # The held rows written (dropped ones cost nothing) are what those steps would have paid:
+        # their share is not this step's draft time.
+        written = rows.features.shape[0]
+        self._held_context_seconds += (time.perf_counter() - t0) * (written - own) / written
 
     def propose_unverified_step(
         self,
