@@ -58,7 +58,7 @@ class _CachedPlan(NamedTuple):
     q: int
     seconds: float  # the planned cycle's predicted seconds
     full_seconds: float  # the costliest cycle's (full blocks, all verified)
-    factors: tuple[float, float]  # the realised/forecast time factors the plan used
+    factors: tuple[float, float]  # the realised/forecast seconds-per-token factors the plan used
     interval: int  # decisions until the next replan
     req_ids: list[str]  # the requests it was made for
 

@@ -81,11 +81,16 @@ def digest(token_ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
 
 
+def cycled(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts repeated in order up to the next multiple of `concurrency`."""
+    n = math.ceil(len(prompts) / concurrency) * concurrency
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def batches_for(prompts: list[list[int]], concurrency: int) -> list[list[list[int]]]:
     """Cycle prompts to a multiple of `concurrency` and cut them into full batches."""
-    n = math.ceil(len(prompts) / concurrency) * concurrency
-    cycled = [prompts[i % len(prompts)] for i in range(n)]
-    return [cycled[i:i + concurrency] for i in range(0, n, concurrency)]
+    requests = cycled(prompts, concurrency)
+    return [requests[i:i + concurrency] for i in range(0, len(requests), concurrency)]
 
 
 BATCHING = ("in-flight", "waves")  # --batching; the first is the default
@@ -188,9 +193,10 @@ def run(spec: dict) -> dict:
     bar = tqdm(total=total, desc=f"{spec['mode']} k={spec.get('num_spec_tokens')}", file=sys.stderr)
     for category, prompts in spec["prompts"].items():
         for c in concurrency:
-            batches = batches_for(prompts, c)
             if spec.get("batching", BATCHING[0]) == "in-flight":
-                batches = [[p for batch in batches for p in batch]]  # one call; c at a time
+                batches = [cycled(prompts, c)]  # one call; c at a time
+            else:
+                batches = batches_for(prompts, c)
             cell: dict[str, Any] = {"category": category, "concurrency": c, "wall_s": 0.0,
                                     "prompt_tokens": 0, "output_tokens": 0, "requests": [],
                                     "output_digests": []}

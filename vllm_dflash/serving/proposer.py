@@ -394,7 +394,8 @@ class DFlashProposer(SpecDecodeBaseProposer):
         # Coasting (no plan needed, nothing drafted) is decided per rank: only alone, since
         # under tensor parallelism the ranks must agree on q through a collective.
         t0 = self._step_clock()
-        if self._tp_size == 1 and self.adaptive.coast(t0, self.runner.input_batch.req_ids[:batch_size], num_tokens):
+        req_ids = self.runner.input_batch.req_ids[:batch_size]
+        if self._tp_size == 1 and self.adaptive.coast(t0, req_ids, num_tokens):
             q = 0
         else:
             q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True, t0=t0)
@@ -404,14 +405,15 @@ class DFlashProposer(SpecDecodeBaseProposer):
         features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)  # a new tensor: held as it is
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
         self._write_context(rows, hold=True, features_owned=True,
-                            owners=self._row_owners(batch_size, num_tokens, common_attn_metadata))
+                            owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
         self._last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         return self._finish_adaptive(self.last_draft_block, None)
 
-    def _row_owners(self, batch_size: int, num_tokens: int, cad: CommonAttentionMetadata) -> list[str]:
+    @staticmethod
+    def _row_owners(req_ids: list[str], num_tokens: int, cad: CommonAttentionMetadata) -> list[str]:
         """The request id of each of the step's `num_tokens` rows (rows run request by request)."""
-        req_ids = self.runner.input_batch.req_ids[:batch_size]
+        batch_size = len(req_ids)
         if num_tokens == batch_size:  # one new token per request: plain decode
             return req_ids
         counts = (cad.query_start_loc_cpu[1:batch_size + 1] - cad.query_start_loc_cpu[:batch_size]).tolist()
