@@ -62,7 +62,7 @@ def run_round(args, rnd: int, bar) -> float:
                 continue
             cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-dflash"), "bench", *flags,
                    "--dtype", dtype, "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
-                   "--max-tokens", str(args.max_tokens), "--batching", args.batching,
+                   "--max-tokens", str(args.max_tokens), "--batching", args.batching, "--waves", str(args.waves),
                    "--mixed", "--threads", str(args.threads),
                    "--no-plots", "--out", out]
             bar.set_postfix_str(f"round {rnd} {dtype} {name}")
@@ -114,6 +114,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--waves", type=int, default=1, help="vllm-dflash bench --waves: at least this many times c "
+                   "requests per in-flight cell")
     p.add_argument("--batching", choices=("in-flight", "waves"), default="in-flight",
                    help="vllm-dflash bench --batching: c requests in flight (default), or batches of c")
     p.add_argument("--force", action="store_true", help="rerun modes whose results already exist")

@@ -29,7 +29,7 @@ import pytest
 from limits import HANG_GUARD_S
 
 from vllm_dflash.bench import cli, metrics, prompts
-from vllm_dflash.bench.runner import batches_for, in_flight, mode_env, speculative_config
+from vllm_dflash.bench.runner import batches_for, cycled, in_flight, mode_env, speculative_config
 from serving_pairs import TOY_DRAFT, TOY_TARGET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,6 +166,13 @@ def test_batches_cycle_prompts_to_full_batches():
     assert batches_for(ps, 2) == [[[1], [2]], [[3], [1]]]
     assert batches_for(ps, 4) == [[[1], [2], [3], [1]]]
     assert batches_for(ps, 1) == [[[1]], [[2]], [[3]]]
+
+
+def test_in_flight_cells_hold_at_least_waves_times_c_requests():
+    ps = [[1], [2], [3]]
+    assert cycled(ps, 2, waves=3) == [[1], [2], [3], [1], [2], [3]]
+    assert cycled(ps, 4, waves=1) == [[1], [2], [3], [1]]
+    assert cycled(ps, 1, waves=2) == [[1], [2], [3]]  # already two waves of one
 
 
 def test_in_flight_caps_the_scheduler_and_restores_it():

@@ -122,3 +122,28 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
     forced = AdaptiveSpeculation(K, 8, schedule="pause:0:100")
     step(forced, 0.0, ids, [0, 0], [0, 0], 2)
     assert not forced.coast(0.01, list(ids), 2)  # a forced schedule plans every step
+
+
+def test_budgets_stop_at_what_a_request_can_still_use():
+    """A request a few tokens from its max_tokens gets no budget past them (those drafts
+    would be verified for nothing); the expected accepted drafts count only usable ones;
+    a forced test schedule keeps its own lengths."""
+    spec = AdaptiveSpeculation(K, 8, seed=3)  # warm-up: randomised q, full blocks half the time
+    useful = np.array([0, 2, K])
+    seen_full = False
+    for i in range(40):
+        plan = spec.begin(float(i), ["a", "b", "c"], np.zeros(3, np.int64), np.zeros(3, np.int64), 3,
+                          np.ones(3, bool), np.ones(3, bool), useful=useful)
+        feature = np.full((3, plan.q), 0.99)
+        budgets = spec.choose(i + 0.001, feature, feature)
+        if plan.q:
+            assert budgets[0] == 0 and budgets[1] <= 2, budgets
+            seen_full |= budgets[2] == plan.q == K
+            expected = spec._step.expected_accepted
+            assert expected <= budgets.sum() + 1e-9
+        spec.end(i + 0.002)
+    assert seen_full  # the request with room still gets full blocks
+    forced = AdaptiveSpeculation(K, 8, schedule="pause:100:101")
+    plan = forced.begin(0.0, ["a", "b"], np.zeros(2, np.int64), np.zeros(2, np.int64), 2, np.ones(2, bool),
+                        np.ones(2, bool), useful=np.array([0, 1]))
+    assert forced.choose(0.001, np.full((2, plan.q), 0.9), np.full((2, plan.q), 0.9)).tolist() == [K, K]

@@ -55,3 +55,19 @@ def test_cpu_next_token_ids_equal_vllm(width):
         for want, got in zip(expected, ours):
             assert got.dtype == want.dtype == torch.int32
             assert torch.equal(got, want), (trial, args[0], args[3], want, got)
+
+
+def test_useful_drafts_stop_at_max_tokens():
+    """Drafting runs before vLLM appends this step's tokens (1 + accepted) to the request
+    state: a request with max_tokens 10, 5 tokens out and 2 drafts accepted now ends this
+    step at 8, so its next step can use one draft (plus the bonus token); requests without
+    a limit (or unknown to the runner) get the full k; none get less than 0."""
+    proposer = object.__new__(DFlashProposer)
+    proposer.num_speculative_tokens = 4
+    state = lambda max_tokens, out: SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens),
+                                                    output_token_ids=[7] * out)
+    proposer.runner = SimpleNamespace(requests={
+        "near": state(10, 5), "far": state(100, 5), "done": state(10, 9), "free": state(None, 3),
+        "pooling": SimpleNamespace(sampling_params=None, output_token_ids=[])})
+    useful = proposer._useful_drafts(["near", "far", "done", "free", "pooling", "gone"], np.array([2, 2, 0, 0, 0, 0]))
+    assert useful.tolist() == [1, 4, 0, 4, 4, 4]

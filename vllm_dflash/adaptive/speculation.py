@@ -54,6 +54,7 @@ class StepState:
     plan: Plan
     budgets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     expected_accepted: float = 0.0  # drafts the budgets were expected to have accepted
+    useful: np.ndarray | None = None  # [R] the most drafts each request can still use (None: any)
 
 
 def _stack_padded(arrays: list[np.ndarray], width: int) -> np.ndarray:
@@ -99,8 +100,10 @@ class AdaptiveSpeculation:
         return self.controller.acceptance
 
     def begin(self, now: float, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray,
-              num_tokens: int, greedy: np.ndarray, eligible: np.ndarray) -> Plan:
-        """Outcomes of the last drafts, the step-time sample, and this step's plan."""
+              num_tokens: int, greedy: np.ndarray, eligible: np.ndarray, useful: np.ndarray | None = None) -> Plan:
+        """Outcomes of the last drafts, the step-time sample, and this step's plan. `useful`:
+        per request the most drafts its next step can still turn into output (a request stops
+        at its token limit: drafts past it would be verified for nothing); None: no limit."""
         req_ids = req_ids if type(req_ids) is list else list(req_ids)  # the proposer's is a fresh slice
         num_verified = np.asarray(num_verified, dtype=np.int64)
         num_accepted = np.asarray(num_accepted, dtype=np.int64)
@@ -116,7 +119,8 @@ class AdaptiveSpeculation:
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
             plan = Plan(0, plan.reason)
-        self._step = StepState(now, req_ids, kinds, eligible, plan)
+        self._step = StepState(now, req_ids, kinds, eligible, plan,
+                               useful=None if useful is None else np.asarray(useful, dtype=np.int64))
         return plan
 
     def coast(self, now: float, req_ids: list[str], num_tokens: int) -> bool:
@@ -210,12 +214,18 @@ class AdaptiveSpeculation:
         raw = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
         survival = self.correction.apply(raw)
         planner = self.schedule or self.controller
-        budgets = planner.budgets(st.plan, survival, now - st.t0, st.eligible)
-        budgets = np.where(st.eligible, np.minimum(budgets, feature.shape[1]), 0)
+        # Positions a request cannot use are worth nothing to the budget choice (a forced test
+        # schedule keeps its own lengths); the models still learn from the drafts' survival.
+        usable = survival
+        if st.useful is not None and self.schedule is None:
+            usable = np.where(np.arange(survival.shape[1])[None, :] < st.useful[:, None], survival, 0.0)
+        budgets = planner.budgets(st.plan, usable, now - st.t0, st.eligible)
+        limit = feature.shape[1] if st.useful is None or self.schedule is not None else np.minimum(st.useful, feature.shape[1])
+        budgets = np.where(st.eligible, np.minimum(budgets, limit), 0)
         st.budgets = budgets
         if budgets.any():  # survival summed over each request's budget: its expected accepted drafts
             rows = np.flatnonzero(budgets)
-            cumulative = np.cumsum(survival[rows], axis=1)
+            cumulative = np.cumsum(usable[rows], axis=1)
             st.expected_accepted = float(cumulative[np.arange(rows.size), budgets[rows] - 1].sum())
         if st.eligible.all():
             self._drafted.append((st.req_ids, st.kinds, survival))

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="in-flight: c requests run at any time; waves: batches of c, each waiting for its "
                         "slowest request (idle slots: speculation pays for uneven finishes, plain decoding "
                         "does not)")
+    g.add_argument("--waves", type=int, default=1,
+                   help="in-flight: each cell runs at least this many times c requests (its prompts cycled), "
+                        "so the drain at its end, where nothing replaces finished requests, weighs less")
     g.add_argument("--num-spec-tokens", default=None,
                    help="comma-separated draft lengths k (default: the draft's block_size - 1, else 15)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -153,7 +156,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                          "(or drop dflash/dflash-vllm from --modes)")
     if needs_engine and "eagle3" in args.modes and not args.eagle3_head:
         raise ValueError("--eagle3-head: mode eagle3 needs an EAGLE-3 head checkpoint")
-    for name in ("max_tokens", "repeats"):
+    for name in ("max_tokens", "repeats", "waves"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.warmup < 0:
@@ -447,8 +450,11 @@ def markdown_report(doc: dict) -> str:
     cfg = doc["config"]
     env = doc["environment"]
     machine = f" Machine: {describe(env['machine_info'])}." if env.get("machine_info") else ""
+    waves = cfg.get("waves", 1)
+    batching = cfg.get("batching", "in-flight") + (f" ({waves} waves per cell)" if waves > 1 else "")
     parts = [f"Target `{cfg['target']}`, draft `{cfg['draft']}`, prompts `{cfg['prompts']}`, "
              f"temperature {cfg['temperature']}, max tokens {cfg['max_tokens']}, threads {cfg['threads']}, "
+             f"batching {batching}, "
              f"dtype {cfg['dtype']}, vLLM {env.get('vllm')}, {env['cpu_count']} CPUs, "
              f"1-min load average {env.get('loadavg_at_start', ['?'])[0]} at start.{machine}"]
     if doc["results"]:
@@ -492,7 +498,7 @@ def base_spec(args: argparse.Namespace, token_prompts: dict[str, list[list[int]]
     max_model_len = args.max_model_len or 64 * math.ceil((longest + args.max_tokens + max_k + 8) / 64)
     return {"target": args.target, "draft": args.draft, "eagle3_head": args.eagle3_head,
             "has_tokenizer": has_tok, "prompts": token_prompts, "concurrency": args.concurrency,
-            "batching": args.batching,
+            "batching": args.batching, "waves": args.waves,
             "temperature": args.temperature, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
             "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "max_model_len": max_model_len,
             "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -20,8 +20,10 @@ Batches of c that each wait for their slowest request (`--batching waves`)
 measure something else: a request that finishes early leaves its slot idle,
 which no server does, and which costs speculation (requests finish at
 different steps) but not plain decoding (same-length requests finish
-together). Only the generate calls are timed; counters are read around each
-cell.
+together). The same holds, once, at the end of every in-flight cell: its last
+requests drain with nothing to replace them, so `--waves W` gives each cell at
+least W x c requests and the drain a smaller share of it (a server sees none).
+Only the generate calls are timed; counters are read around each cell.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def digest(token_ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
 
 
-def cycled(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
-    """The prompts repeated in order up to the next multiple of `concurrency`."""
-    n = math.ceil(len(prompts) / concurrency) * concurrency
+def cycled(prompts: list[list[int]], concurrency: int, waves: int = 1) -> list[list[int]]:
+    """The prompts repeated in order up to the next multiple of `concurrency`, and to at
+    least `waves` times it."""
+    n = max(math.ceil(len(prompts) / concurrency), waves) * concurrency
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
@@ -194,7 +197,7 @@ def run(spec: dict) -> dict:
     for category, prompts in spec["prompts"].items():
         for c in concurrency:
             if spec.get("batching", BATCHING[0]) == "in-flight":
-                batches = [cycled(prompts, c)]  # one call; c at a time
+                batches = [cycled(prompts, c, spec.get("waves", 1))]  # one call; c at a time
             else:
                 batches = batches_for(prompts, c)
             cell: dict[str, Any] = {"category": category, "concurrency": c, "wall_s": 0.0,

@@ -472,8 +472,25 @@ class DFlashProposer(SpecDecodeBaseProposer):
             for row in sampling_metadata.generators:
                 if row < batch_size and not greedy[row]:
                     eligible[row] = False
-        plan = adaptive.begin(t0, req_ids, verified, accepted, num_tokens, greedy, eligible)
+        plan = adaptive.begin(t0, req_ids, verified, accepted, num_tokens, greedy, eligible,
+                              useful=self._useful_drafts(req_ids, accepted))
         return self._same_on_every_rank(plan.q)
+
+    def _useful_drafts(self, req_ids: list[str], accepted: np.ndarray) -> np.ndarray:
+        """Per request, the most drafts its next step can turn into output: it stops at
+        max_tokens, and the step yields its accepted drafts plus one token. This step's
+        tokens (1 + accepted) are not in the runner's request state yet: drafting runs
+        before vLLM's bookkeeping appends them."""
+        k = self.num_speculative_tokens
+        requests = self.runner.requests
+        useful = np.full(len(req_ids), k, dtype=np.int64)
+        for row, req_id in enumerate(req_ids):
+            state = requests.get(req_id)
+            params = None if state is None else state.sampling_params
+            if params is not None and params.max_tokens is not None:
+                left = params.max_tokens - len(state.output_token_ids) - 1 - int(accepted[row])
+                useful[row] = left - 1
+        return np.clip(useful, 0, k)
 
     def _step_clock(self) -> float:
         """Now, once the step's device work is done: it belongs to the step, not to the draft time."""
