@@ -1,0 +1,137 @@
+"""Engines of several modes alive in one process, generate calls taking turns: ratios of adjacent calls.
+
+    python scripts/paired_engines.py --dtype bfloat16 --concurrency 16 --modes none,pause,adaptive
+    python scripts/paired_engines.py --dtype float32 --concurrency 8 --waves 8 --modes none,adaptive,static
+
+Between processes the same engine's speed differs by 5-15% on a shared CPU, and over minutes it drifts
+by more: a 3% question (what does a step without drafts cost?) cannot be answered by engines in separate
+processes. Here every mode's engine is built in this process (vLLM's in-process engine), and each
+repetition runs one generate call per mode, the order reversed every other repetition; each ratio
+compares calls seconds apart in the same process. Modes: none (no speculation), adaptive (the plugin's
+default), static (`adaptive: false`, k every step), pause (adaptive speculation forced to draft nothing,
+every step: what speculation costs when it is off). Requests: the toy prompts of --categories cycled to
+waves x concurrency, at most `concurrency` in flight. Prints tok/s per call, the median ratio to the first
+mode, and where each engine's step time goes (ms per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+
+MODES = ("none", "adaptive", "static", "pause")
+PHASES = (  # (object path from the engine core, method): the parts of a step that are timed
+    ("", "step"), ("", "post_step"), ("scheduler", "schedule"), ("scheduler", "update_from_output"),
+    ("runner", "execute_model"), ("runner", "_model_forward"), ("runner", "sample_tokens"),
+    ("runner", "propose_draft_token_ids"), ("runner", "_bookkeeping_sync"))
+
+
+def build(mode: str, args):
+    from vllm import LLM
+
+    # The forced schedule is read when the proposer is built: set it for this engine only.
+    os.environ.pop("VLLM_DFLASH_ADAPTIVE_SCHEDULE", None)
+    if mode == "pause":
+        os.environ["VLLM_DFLASH_ADAPTIVE_SCHEDULE"] = "pause:0:1000000000"
+    spec = None if mode == "none" else {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.k,
+                                        "adaptive": mode != "static"}
+    try:
+        return LLM(args.target, speculative_config=spec, dtype=args.dtype, max_num_seqs=args.concurrency,
+                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
+                   enable_prefix_caching=False, async_scheduling=False, skip_tokenizer_init=True, seed=0)
+    finally:
+        os.environ.pop("VLLM_DFLASH_ADAPTIVE_SCHEDULE", None)
+
+
+def time_phases(llm, seconds: dict[str, float], calls: collections.Counter) -> None:
+    """Wrap the step's parts of one engine so their time adds up in `seconds`."""
+    from vllm_dflash.patches.model_runner import model_runner_of, scheduler_of
+
+    owners = {"": llm.llm_engine.engine_core.engine_core, "scheduler": scheduler_of(llm),
+              "runner": model_runner_of(llm)}
+    for owner, name in PHASES:
+        obj = owners[owner]
+        if obj is None or not hasattr(obj, name):
+            continue
+        key = f"{owner or 'core'}.{name}"
+        inner = getattr(obj, name)
+
+        def timed(*a, _inner=inner, _key=key, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                seconds[_key] += time.perf_counter() - t0
+                calls[_key] += 1
+
+        setattr(obj, name, timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="none,pause,adaptive", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--waves", type=int, default=4, help="requests per call: waves x concurrency")
+    p.add_argument("--categories", default="code,prose,math")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--k", type=int, default=15, help="num_speculative_tokens")
+    p.add_argument("--target", default="models/toy-target")
+    p.add_argument("--draft", default="models/toy-draft")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes={args.modes}: choose from {', '.join(MODES)}")
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_dflash.bench import prompts as toy
+    from vllm_dflash.machine import describe, machine_info
+
+    print(f"machine: {describe(machine_info())}", flush=True)
+    llms = {m: build(m, args) for m in modes}
+    sets = toy.encode(toy.load_prompt_sets("toy", args.target), args.target)
+    pool = [ids for c in args.categories.split(",") for ids in sets[c]]
+    prompts = [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * args.concurrency)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    for llm in llms.values():  # first calls (compilation of new shapes) stay out
+        llm.generate(prompts, params, use_tqdm=False)
+    seconds = {m: collections.defaultdict(float) for m in modes}
+    calls = {m: collections.Counter() for m in modes}
+    for m in modes:
+        time_phases(llms[m], seconds[m], calls[m])
+    tok_s = collections.defaultdict(list)
+    for rep in range(args.repeats):
+        for m in modes if rep % 2 == 0 else modes[::-1]:
+            t0 = time.perf_counter()
+            llms[m].generate(prompts, params, use_tqdm=False)
+            tok_s[m].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
+    base = modes[0]
+    print(f"{args.dtype}, {args.concurrency} in flight, {len(prompts)} requests x {args.max_tokens} tokens, "
+          f"{args.repeats} repetitions")
+    for m in modes:
+        ratios = [a / b for a, b in zip(tok_s[m], tok_s[base])]
+        print(f"{m:9s} tok/s {' '.join(f'{x:.0f}' for x in tok_s[m])}   / {base}: median "
+              f"{statistics.median(ratios):.3f} [{' '.join(f'{x:.2f}' for x in ratios)}]")
+    keys = sorted({k for m in modes for k in seconds[m]}, key=lambda k: -seconds[base].get(k, 0.0))
+    print("ms per engine step (each mode's own steps): " + " ".join(f"{m:>9s}" for m in modes))
+    for k in keys:
+        row = []
+        for m in modes:
+            steps = calls[m]["runner.execute_model"] or 1
+            row.append(f"{seconds[m].get(k, 0.0) / steps * 1e3:9.3f}")
+        print(f"  {k:30s} {' '.join(row)}")
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
