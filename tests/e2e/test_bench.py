@@ -289,6 +289,7 @@ def test_validation_errors(tiny_pair, tmp_path):
         (("--num-spec-tokens", "8"), r"--num-spec-tokens \[8\]: a DFlash draft with block_size 8"),
         (("--concurrency", "0,2"), "--concurrency='0,2': expected positive integers"),
         (("--max-tokens", "0"), "--max-tokens=0 must be >= 1"),
+        (("--waves", "0"), "--waves=0 must be >= 1"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -297,6 +298,8 @@ def test_validation_errors(tiny_pair, tmp_path):
         cli.validate(_args("--target", str(tmp_path), "--draft", draft))
     args = cli.validate(_args(*base))
     assert args.num_spec_tokens == [7]  # block_size - 1 by default
+    assert cli.base_spec(args, {"code": [[1, 2]]}, False)["waves"] == 1
+    assert cli.base_spec(cli.validate(_args(*base, "--waves", "3")), {"code": [[1, 2]]}, False)["waves"] == 3
     args = cli.validate(_args(*base, "--modes", "none,dflash,dflash-adaptive,ngram", "--num-spec-tokens", "3,7"))
     assert cli.plan(args) == [("none", None, None), ("dflash", 3, None), ("dflash", 7, None),
                               ("dflash-adaptive", 7, None), ("ngram", 3, None), ("ngram", 7, None)]

@@ -216,12 +216,13 @@ class AdaptiveSpeculation:
         planner = self.schedule or self.controller
         # Positions a request cannot use are worth nothing to the budget choice (a forced test
         # schedule keeps its own lengths); the models still learn from the drafts' survival.
+        width = feature.shape[1]
+        capped = st.useful is not None and self.schedule is None
         usable = survival
-        if st.useful is not None and self.schedule is None:
-            usable = np.where(np.arange(survival.shape[1])[None, :] < st.useful[:, None], survival, 0.0)
+        if capped:
+            usable = np.where(np.arange(width)[None, :] < st.useful[:, None], survival, 0.0)
         budgets = planner.budgets(st.plan, usable, now - st.t0, st.eligible)
-        limit = feature.shape[1] if st.useful is None or self.schedule is not None else np.minimum(st.useful, feature.shape[1])
-        budgets = np.where(st.eligible, np.minimum(budgets, limit), 0)
+        budgets = np.where(st.eligible, np.minimum(budgets, np.minimum(st.useful, width) if capped else width), 0)
         st.budgets = budgets
         if budgets.any():  # survival summed over each request's budget: its expected accepted drafts
             rows = np.flatnonzero(budgets)

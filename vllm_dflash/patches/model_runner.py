@@ -186,6 +186,17 @@ ENTRIES: list[VllmInternal] = [
         names=("req_ids", "spec_token_ids", "generators", "num_reqs", "num_tokens_no_spec", "vocab_size"),
     ),
     VllmInternal(
+        symbol="vllm.v1.worker.gpu_input_batch:CachedRequestState",
+        kind="read",
+        process=("worker",),
+        why="adaptive budgets stop at the drafts a request's next step can still turn into output: its "
+        "max_tokens less the tokens it has (this step's 1 + accepted are appended by _bookkeeping_sync, which "
+        "runs after a hidden-state drafter proposes)",
+        how="runner.requests[req_id].sampling_params.max_tokens - len(runner.requests[req_id].output_token_ids)",
+        remove_when="the scheduler trims drafts past a request's token limit itself",
+        names=("sampling_params", "output_token_ids"),
+    ),
+    VllmInternal(
         symbol="vllm.v1.worker.gpu_input_batch:CachedRequestState.get_token_id",
         kind="call",
         process=("worker",),
