@@ -23,8 +23,8 @@ import statistics
 import time
 
 MODES = ("none", "adaptive", "static", "pause")
-PHASES = (  # (object path from the engine core, method): the parts of a step that are timed
-    ("", "step"), ("", "post_step"), ("scheduler", "schedule"), ("scheduler", "update_from_output"),
+PHASES = (  # (owner: the LLM's engine, its engine core, scheduler, runner; method): the parts of a step timed
+    ("engine", "step"), ("", "post_step"), ("scheduler", "schedule"), ("scheduler", "update_from_output"),
     ("runner", "execute_model"), ("runner", "_model_forward"), ("runner", "sample_tokens"),
     ("runner", "propose_draft_token_ids"), ("runner", "_bookkeeping_sync"))
 
@@ -46,28 +46,16 @@ def build(mode: str, args):
         os.environ.pop("VLLM_DFLASH_ADAPTIVE_SCHEDULE", None)
 
 
-def time_phases(llm, seconds: dict[str, float], calls: collections.Counter) -> None:
-    """Wrap the step's parts of one engine so their time adds up in `seconds`."""
+def time_phases(llm, timer) -> None:
+    """Wrap the step's parts of one engine into `timer` (a profiler.PhaseTimer), one phase each."""
     from vllm_dflash.patches.model_runner import model_runner_of, scheduler_of
 
-    owners = {"": llm.llm_engine.engine_core.engine_core, "scheduler": scheduler_of(llm),
+    owners = {"engine": llm.llm_engine, "": llm.llm_engine.engine_core.engine_core, "scheduler": scheduler_of(llm),
               "runner": model_runner_of(llm)}
     for owner, name in PHASES:
         obj = owners[owner]
-        if obj is None or not hasattr(obj, name):
-            continue
-        key = f"{owner or 'core'}.{name}"
-        inner = getattr(obj, name)
-
-        def timed(*a, _inner=inner, _key=key, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _inner(*a, **kw)
-            finally:
-                seconds[_key] += time.perf_counter() - t0
-                calls[_key] += 1
-
-        setattr(obj, name, timed)
+        if obj is not None and hasattr(obj, name):
+            setattr(obj, name, timer.wrap(getattr(obj, name), f"{owner or 'core'}.{name}"))
 
 
 def main() -> None:
@@ -94,6 +82,7 @@ def main() -> None:
 
     from vllm_dflash.bench import prompts as toy
     from vllm_dflash.machine import describe, machine_info
+    from vllm_dflash.profiler import PhaseTimer
 
     print(f"machine: {describe(machine_info())}", flush=True)
     llms = {m: build(m, args) for m in modes}
@@ -103,10 +92,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     for llm in llms.values():  # first calls (compilation of new shapes) stay out
         llm.generate(prompts, params, use_tqdm=False)
-    seconds = {m: collections.defaultdict(float) for m in modes}
-    calls = {m: collections.Counter() for m in modes}
+    timers = {m: PhaseTimer() for m in modes}
     for m in modes:
-        time_phases(llms[m], seconds[m], calls[m])
+        time_phases(llms[m], timers[m])
     tok_s = collections.defaultdict(list)
     for rep in range(args.repeats):
         for m in modes if rep % 2 == 0 else modes[::-1]:
@@ -120,12 +108,13 @@ def main() -> None:
         ratios = [a / b for a, b in zip(tok_s[m], tok_s[base])]
         print(f"{m:9s} tok/s {' '.join(f'{x:.0f}' for x in tok_s[m])}   / {base}: median "
               f"{statistics.median(ratios):.3f} [{' '.join(f'{x:.2f}' for x in ratios)}]")
+    seconds = {m: {k: v["seconds"] for k, v in timers[m].phases.items()} for m in modes}
     keys = sorted({k for m in modes for k in seconds[m]}, key=lambda k: -seconds[base].get(k, 0.0))
     print("ms per engine step (each mode's own steps): " + " ".join(f"{m:>9s}" for m in modes))
     for k in keys:
         row = []
         for m in modes:
-            steps = calls[m]["runner.execute_model"] or 1
+            steps = timers[m].phases.get("runner.execute_model", {}).get("calls") or 1
             row.append(f"{seconds[m].get(k, 0.0) / steps * 1e3:9.3f}")
         print(f"  {k:30s} {' '.join(row)}")
 
