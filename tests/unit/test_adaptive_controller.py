@@ -216,11 +216,33 @@ def test_a_new_request_is_planned_for_its_own_prior_within_a_few_steps():
     kinds = np.full(1, GREEDY)
     give_history(c, ["poor"], np.cumprod(np.full(K, 0.02)))
     assert c.plan(["poor"], kinds).q == 0
-    for _ in range(40):  # the same plan again and again: its interval grows
-        c.plan(["poor"], kinds)
-    assert c._cache[1].interval > c.refresh_steps
+    for _ in range(40):  # the same plan again and again: a plan of no draft is still redone within
+        c.plan(["poor"], kinds)  # the steps its request's own row takes to fade (at one request)
+    assert c._cache[1].interval <= c.prior.fade_steps < c.refresh_steps
     while c._cache[1].stamp != c._decisions:  # up to the poor request's latest replan
         c.plan(["poor"], kinds)
     give_history(c, ["rich"], high_survival())
     qs = [c.plan(["rich"], kinds).q for _ in range(c.refresh_steps // 4 + 1)]
     assert qs[0] == 0 and qs[-1] > 0, qs  # the old plan for a few steps, then its own
+
+
+def test_a_plan_of_no_draft_at_one_request_is_redone_as_its_request_row_fades():
+    """One request whose last draft was poor plans no draft; its own survival row fades
+    into the kind's mean within `fade_steps` decisions, and so the plan is redone then
+    (drafting resumes when the mean says it pays), not after up to 4 x refresh_steps:
+    at one request the coasting that followed one poor draft had run at half the tokens
+    per second of drafting. At many requests the cap is R x fade_steps (a row weighs 1/R)."""
+    c = controller(lambda r, t: 1e-3 * (1 + 0.02 * (t - 1)), lambda r, t: 2e-4 * t, max_explore_probability=0.0)
+    kinds = np.full(1, GREEDY)
+    c.prior.record(["x", "y", "z"], np.full(3, GREEDY), np.tile(high_survival(), (3, 1)))  # the kind's mean
+    c.prior.record(["a"], kinds, np.cumprod(np.full(K, 0.02))[None, :])  # a's own last draft: poor
+    assert c.plan(["a"], kinds).q == 0
+    qs = []
+    for _ in range(int(c.prior.fade_steps) * 3):
+        c.prior.forget(["a"])  # one engine step
+        qs.append(c.plan(["a"], kinds).q)
+    assert qs[-1] > 0 and qs.index(next(q for q in qs if q > 0)) < 3 * c.prior.fade_steps
+    c16 = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.0)
+    ids = [f"r{i}" for i in range(16)]
+    assert c16.plan(ids, np.full(16, GREEDY)).q == 0  # verifying costs what a step yields: no draft
+    assert c16._cache[16].interval == min(c16.refresh_steps, int(c16.prior.fade_steps * 16))

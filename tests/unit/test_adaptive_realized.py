@@ -120,8 +120,82 @@ def test_speculation_reports_each_steady_cycle_against_its_forecast():
     spec.begin(0.010, ["a", "b"], np.array([0, 0]), np.array([0, 0]), 2, np.ones(2, bool), np.ones(2, bool))
     key = c.realized.key(2)
     assert c.realized.weight[key].tolist() == [1.0, 0.0]  # one no-draft cycle
-    # 2 ms drafting + 8 ms outside, against the 1 ms + 4 ms forecast
-    assert c.realized.log_sum[key, 0] == pytest.approx(math.log(10e-3 / 5e-3))
+    # 2 ms drafting + 8 ms outside, against the 1 ms + 4 ms forecast, in the curves' units: the
+    # step took twice its prediction, which the speed index takes in part as the machine's speed
+    assert spec.speed.factor > 1.0
+    assert c.realized.log_sum[key, 0] == pytest.approx(math.log((2e-3 + 8e-3 / spec.speed.factor) / 5e-3))
+
+
+def _drafting_speculation(**kwargs):
+    """AdaptiveSpeculation over `_controller_drafting_at_8`, its first plan begun."""
+    spec = AdaptiveSpeculation(K, 64, seed=0, max_explore_probability=0.0, **kwargs)
+    c, ids, kinds = _controller_drafting_at_8()
+    spec.controller = c
+    none = np.zeros(8, dtype=np.int64)
+    plan = spec.begin(0.0, ids, none, none, 8, np.ones(8, bool), np.ones(8, bool))
+    assert plan.q > 0 and plan.reason == OPTIMAL
+    return spec, c, ids
+
+
+def test_a_cycle_whose_step_carried_a_prompt_is_still_measured():
+    """Once speculation puts in-flight requests out of step, most steps at many requests
+    carry a new request's prompt. Such a cycle is held to the plan plus the prompt's
+    tokens priced like verified drafts; before, it was never measured, and drafting
+    that lost went on as long as prompts kept coming."""
+    spec, c, ids = _drafting_speculation()
+    q = spec._step.plan.q
+    feature = np.full((8, q), 0.9)
+    budgets = spec.choose(1e-4, feature, feature)
+    draft_s, step_s = c.forecast_parts(8, q, int(budgets.sum()))
+    expected_tokens = 8 + spec._step.expected_accepted
+    spec.end(1e-4)
+    budget, prompt = int(budgets.sum()), 40
+    extra = c.step_seconds(8, 8 + budget + prompt) - c.step_seconds(8, 8 + budget)
+    assert extra > 0
+    outside = 2 * (step_s + extra)
+    accepted = budgets.copy()  # every draft accepted
+    spec.begin(1e-4 + outside, ids, budgets, accepted, 8 + budget + prompt, np.ones(8, bool), np.ones(8, bool))
+    key = c.realized.key(8)
+    assert c.realized.weight[key, 1] == 1.0
+    expected = math.log((1e-4 + outside) / (draft_s + step_s + extra) * expected_tokens / (8 + budget))
+    assert c.realized.log_sum[key, 1] == pytest.approx(expected, rel=1e-6)
+    assert c.step_cost.observations == 3 * (K + 1)  # the curves themselves learn from plain steps only
+
+
+def test_speed_index_follows_a_uniform_change_of_speed_and_keeps_the_curves():
+    """The machine slows 1.5x for a while, then returns: samples enter the curves in the
+    units of a steady machine, so the no-draft curve stays where it was, the index
+    carries the change, and no decision compares a slow sample with a fast one."""
+    from vllm_dflash.adaptive.realized import SpeedIndex
+
+    index = SpeedIndex(memory=8, prior=0)
+    for _ in range(40):
+        index.observe(1.5e-3, 1e-3)
+    assert index.factor == pytest.approx(1.5)
+    for _ in range(80):
+        index.observe(1e-3, 1e-3)
+    assert index.factor == pytest.approx(1.0, abs=0.01)
+    index.observe(0.0, 1e-3)  # nothing to compare: ignored
+    index.observe(1e-3, 0.0)
+    assert index.factor == pytest.approx(1.0, abs=0.01)
+    with pytest.raises(ValueError, match="memory >= 1"):
+        SpeedIndex(memory=0.5)
+
+    spec, c, ids = _drafting_speculation()
+    none = np.zeros(8, dtype=np.int64)
+    before = c.step_cost.predict(8, [1.0])[0]
+    now = 0.0
+    for slow in [1.5] * 60 + [1.0] * 60:  # plain decode steps, each `slow` x the curve's no-draft step
+        spec._step = None
+        spec._handed = None
+        spec._prev_end = now
+        spec._prev_req_list, spec._prev_req_ids = ids, set(ids)
+        now += slow * before
+        spec._learn_and_sample(now, 8, 8, steady=True)
+        if slow == 1.5:
+            during = spec.speed.factor
+    assert during > 1.3  # the index carried the slow stretch
+    assert c.step_cost.predict(8, [1.0])[0] == pytest.approx(before, rel=0.1)  # the curve did not
 
 
 def test_drafts_yielding_fewer_tokens_than_expected_count_as_slower():
@@ -155,9 +229,9 @@ def test_a_plan_whose_drafts_yield_less_than_promised_is_planned_away():
         budgets = spec.choose(now + 1e-4, feature, np.full((8, q), 0.9)) if q else spec.choose(
             now + 1e-4, np.zeros((8, 0)), np.zeros((8, 0)))
         drafted += q > 0
-        forecast = c.forecast_seconds(8, q, int(budgets.sum()))
-        spec.end(now + 1e-4)
-        now += max(forecast, 1e-3)  # every cycle takes exactly its forecast
+        draft_s, step_s = c.forecast_parts(8, q, int(budgets.sum()))
+        spec.end(now + draft_s)
+        now += draft_s + step_s  # every cycle takes exactly its forecast, drafting and step alike
         spec.begin(now, ids, budgets, none, 8 + int(budgets.sum()), greedy, everyone)  # nothing accepted
     assert drafted >= 4 and spec._step.plan.q == 0
     assert c.realized.factors(8)[1] > 1.3  # on time, so from the yield alone

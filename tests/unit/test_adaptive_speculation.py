@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from vllm_dflash.adaptive.controller import FORCED
+from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, Plan
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
 K = 4
@@ -147,3 +148,34 @@ def test_budgets_stop_at_what_a_request_can_still_use():
     plan = forced.begin(0.0, ["a", "b"], np.zeros(2, np.int64), np.zeros(2, np.int64), 2, np.ones(2, bool),
                         np.ones(2, bool), useful=np.array([0, 1]))
     assert forced.choose(0.001, np.full((2, plan.q), 0.9), np.full((2, plan.q), 0.9)).tolist() == [K, K]
+
+
+def test_budgets_are_chosen_on_upper_bounds_and_the_estimate_is_what_is_recorded():
+    """The controller's budget choice sees the calibration's upper bounds (higher than the
+    estimate where positions were rarely verified); the statistics (predicted vs realised),
+    the survival prior and the expected accepted drafts see the estimate."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0)
+    c = spec.controller
+    c.step_cost.observe(2, 1.0, 1e-3)
+    c.step_cost.observe(2, 5.0, 1.1e-3)
+    c.draft_cost.observe(2, 1.0, 1e-4)
+    c.draft_cost.observe(2, 5.0, 1e-4)
+    seen = {}
+    original = c.budgets
+
+    def budgets(plan, survival, draft_seconds, eligible=None):
+        seen["survival"] = survival.copy()
+        return original(plan, survival, draft_seconds, eligible)
+
+    c.budgets = budgets
+    spec.begin(0.0, ["a", "b"], np.zeros(2, np.int64), np.zeros(2, np.int64), 2, np.ones(2, bool), np.ones(2, bool))
+    spec._step.plan = Plan(K, OPTIMAL)
+    feature = np.full((2, K), 0.5)
+    chosen = spec.choose(0.001, feature, feature)
+    handed = spec._handed.survival
+    assert np.all(seen["survival"] > handed)  # nothing verified yet: every bound above its estimate
+    assert np.allclose(handed, spec.correction.apply(spec._handed.raw))
+    rows = np.flatnonzero(chosen)
+    assert rows.size
+    expected = sum(handed[r, :chosen[r]].sum() for r in rows)
+    assert spec._step.expected_accepted == pytest.approx(expected)

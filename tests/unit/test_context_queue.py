@@ -161,3 +161,16 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     p._write_context(rows(2, 10, seed=3), hold=False)
     assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
     assert p._held_context_seconds == pytest.approx(2e-3)
+
+
+def test_held_rows_on_the_host_fill_a_memory_budget_and_on_a_device_one_step():
+    """In host memory the queue may hold HOST_BYTES of features (most rows then belong to
+    requests that finish first and are never written); on an accelerator, one step's
+    token budget, and never less than that anywhere."""
+    from vllm_dflash.serving.context_queue import HOST_BYTES, max_held_rows
+
+    row = 5 * 320 * 4  # five target layers of the bundled pair's hidden size, float32
+    assert max_held_rows(4096, row, on_host=True) == HOST_BYTES // row > 4096
+    assert max_held_rows(4096, row, on_host=False) == 4096
+    assert max_held_rows(4096, 5 * 8192 * 2 * 64, on_host=True) == 4096  # huge rows: the budget still holds
+    assert max_held_rows(4096, 0, on_host=True) == 4096

@@ -314,11 +314,12 @@ class SurvivalCorrection:
     `memory` is in verified rows.
     """
 
-    def __init__(self, num_positions: int, memory: float = 2000.0, pseudo: float = 5.0):
+    def __init__(self, num_positions: int, memory: float = 2000.0, pseudo: float = 5.0, confidence_z: float = 1.5):
         self.predicted = np.zeros(num_positions)
         self.realised = np.zeros(num_positions)
-        self.memory, self.pseudo = float(memory), float(pseudo)
+        self.memory, self.pseudo, self.confidence_z = float(memory), float(pseudo), float(confidence_z)
         self._factors: np.ndarray | None = np.ones(num_positions)
+        self._upper: np.ndarray | None = None
 
     def update(self, raw_survival: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """raw_survival [N, w] (before correction) of verified drafts, with their verified / accepted counts."""
@@ -333,7 +334,7 @@ class SurvivalCorrection:
         self.realised *= decay
         self.predicted[:width] += np.where(verified, raw_survival, 0.0).sum(axis=0)
         self.realised[:width] += (pos < np.asarray(num_accepted)[:, None]).sum(axis=0)
-        self._factors = None
+        self._factors = self._upper = None
 
     def factors(self) -> np.ndarray:
         """[k] multiplicative factor per position."""
@@ -346,10 +347,27 @@ class SurvivalCorrection:
             self._factors = out
         return self._factors
 
-    def apply(self, survival: np.ndarray) -> np.ndarray:
-        """Corrected survival [R, q]: scaled, at most 1, non-increasing along each draft."""
+    def upper_factors(self) -> np.ndarray:
+        """[k] an upper confidence bound of each factor: the factor plus `confidence_z`
+        standard errors of a realised/predicted count ratio, sqrt(factor / (predicted +
+        pseudo)). What decisions use (`apply(optimistic=True)`): a position verified
+        rarely cannot show that it is better than predicted, because the prediction
+        keeps it from being verified (censoring); the bound shrinks as it is verified.
+        Measured at one request on the bundled pair: positions 8-13 predicted 0.14-0.27,
+        realised 0.5-0.75 the few times they were verified, and fewer tokens per step
+        than static k = 15. Where verifying costs about as much per token as the step
+        yields (large batches), a survival below 1 never pays, raised or not."""
+        if self._upper is None:
+            factors = self.factors()
+            self._upper = factors + self.confidence_z * np.sqrt(factors / (self.predicted + self.pseudo))
+        return self._upper
+
+    def apply(self, survival: np.ndarray, optimistic: bool = False) -> np.ndarray:
+        """Corrected survival [R, q]: scaled, at most 1, non-increasing along each draft
+        (`optimistic`: by the factors' upper bounds, for decisions)."""
         survival = np.asarray(survival, dtype=np.float64)
         if survival.shape[1] == 0:
             return survival
-        corrected = np.minimum(survival * self.factors()[: survival.shape[1]], 1.0)
+        factors = self.upper_factors() if optimistic else self.factors()
+        corrected = np.minimum(survival * factors[: survival.shape[1]], 1.0)
         return np.minimum.accumulate(corrected, axis=1)

@@ -225,6 +225,13 @@ class BudgetController:
             # without drafting costs the controller.
             same = entry is not None and not moved and q == entry.q and req_ids == entry.req_ids
             interval = min(2 * entry.interval, 4 * self.refresh_steps) if same else self.refresh_steps
+            if q == 0:
+                # Not drafting because of requests' own last drafts: those rows fade into their kind's
+                # mean within a few steps (`SurvivalPrior.fade_steps`), so the plan is redone then. At
+                # one request, one poor draft had kept drafting off for up to 4x `refresh_steps` (traced
+                # on code: 20-35 of ~120 steps coasting at half the tokens per second of drafting).
+                # A row weighs 1/R in a plan: R x fade_steps bounds the replanning per step.
+                interval = min(interval, max(1, int(self.prior.fade_steps * requests)))
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids)
             self._cache[requests] = entry
         return entry.step, entry.draft, entry.q, entry.seconds, entry.full_seconds
@@ -280,11 +287,28 @@ class BudgetController:
     def forecast_seconds(self, requests: int, q: int, total_budget: int) -> float:
         """The cycle time the curves predict for drafting q and verifying `total_budget`
         positions at this batch size, from the plan's cached curves (0: none cached)."""
+        return sum(self.forecast_parts(requests, q, total_budget))
+
+    def forecast_parts(self, requests: int, q: int, total_budget: int) -> tuple[float, float]:
+        """(drafting, step outside drafting) seconds of `forecast_seconds` ((0, 0): none cached)."""
         entry = self._cache.get(requests)
         if entry is None:
-            return 0.0
+            return 0.0, 0.0
         step, draft = entry.step, entry.draft
-        return float(step[min(total_budget, len(step) - 1)] + draft[min(q, len(draft) - 1)])
+        return float(draft[min(q, len(draft) - 1)]), float(step[min(total_budget, len(step) - 1)])
+
+    def step_seconds(self, requests: int, tokens: int, cached_only: bool = False) -> float:
+        """E(requests, tokens / requests): the predicted step outside drafting for `tokens`
+        scheduled tokens, prompt chunks counted like verified drafts (both are query rows
+        of the target forward); from the cached plan's curve where it reaches, else the
+        cost surface (0: nothing measured yet, or not cached with `cached_only`)."""
+        entry = self._cache.get(requests)
+        extra = tokens - requests
+        if entry is not None and 0 <= extra < len(entry.step):
+            return float(entry.step[extra])
+        if cached_only or not self.step_cost.ready or requests < 1:
+            return 0.0
+        return float(self.step_cost.predict(requests, [tokens / requests])[0])
 
     # -------------------------------------------------------------- budgets --
 

@@ -80,3 +80,43 @@ class RealizedRatio:
             w = self.weight[i, j]
             out.append(math.exp(self.log_sum[i, j] / w) if w >= self.min_cycles - 1e-6 else 1.0)
         return out[0], out[1]
+
+
+class SpeedIndex:
+    """How fast the machine runs now against the cost curves, as one factor on seconds.
+
+    A shared CPU changes speed by tens of percent over tens of steps (measured here:
+    identical 32-request decode steps took 7.3 ms, then 10.9 ms for fifteen steps, then
+    8 ms again). The curves are fitted from samples taken at different times: a
+    no-draft step measured in a slow stretch against drafting measured in a fast one
+    made drafting look 25% cheaper than it was, and the controller drafted at a loss.
+    A uniform change of speed does not change which plan is best (every value in a
+    decision scales alike), so samples are folded in divided by the current index and
+    the curves compare like with like. The index is a forgetting mean of
+    log(seconds / predicted) over steps the curves can predict (`memory` steps), each
+    ratio clipped to a factor `clip`, starting from `prior` steps' worth of 1.
+
+    The scale of the curves is then arbitrary (a curve measured high pulls the index
+    down, and every later sample up to its scale): harmless, since decisions compare
+    seconds only with seconds. What the index removes is samples of different cells
+    taken at different speeds; what remains per kind of cycle, `RealizedRatio` sees.
+    """
+
+    def __init__(self, memory: float = 32.0, clip: float = 3.0, prior: float = 4.0):
+        if memory < 1 or clip <= 1 or prior < 0:
+            raise ValueError("SpeedIndex needs memory >= 1, clip > 1 and prior >= 0")
+        self.memory, self.log_clip = float(memory), math.log(clip)
+        self.log_sum = 0.0
+        self.weight = float(prior)
+        self.factor = 1.0
+
+    def observe(self, seconds: float, predicted: float) -> None:
+        """A step took `seconds` where the curves (in index units) predicted `predicted`."""
+        if not (seconds > 0 and predicted > 0):
+            return
+        x = min(max(math.log(seconds / predicted), -self.log_clip), self.log_clip)
+        keep = 1.0 - 1.0 / self.memory
+        self.log_sum = self.log_sum * keep + x
+        self.weight = self.weight * keep + 1.0
+        self.factor = math.exp(self.log_sum / self.weight) if self.weight > 0 else 1.0
+

@@ -29,6 +29,7 @@ import numpy as np
 
 from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
 from vllm_dflash.adaptive.controller import EXPLORE, OPTIMAL, BudgetController, ForcedSchedule, Plan
+from vllm_dflash.adaptive.realized import SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
 
@@ -82,6 +83,7 @@ class AdaptiveSpeculation:
         self.offsets = RequestOffsets()
         self.controller.request_shifts = self.offsets.shifts  # plans continue each request's own advantage
         self.correction = SurvivalCorrection(max_k)
+        self.speed = SpeedIndex()  # samples enter the cost curves in the units of a steady machine
         self.learn_every = learn_every
         self._handed: _Handed | None = None
         self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted, raw), queued
@@ -91,8 +93,9 @@ class AdaptiveSpeculation:
         self._prev_req_list: list[str] = []
         self._all_eligible: dict[int, np.ndarray] = {}  # read-only masks for coasting steps
         self._prev_end: float | None = None
-        # (q, forecast seconds, draft seconds, expected tokens) of the last call
-        self._prev_cycle: tuple[int, float, float, float] | None = None
+        # (q, forecast drafting and step seconds, drafting seconds, expected accepted drafts, requests,
+        # total budget) of the last call
+        self._prev_cycle: tuple[int, float, float, float, float, int, int] | None = None
         self._step: StepState | None = None
 
     @property
@@ -110,9 +113,8 @@ class AdaptiveSpeculation:
         self._observe(req_ids, num_verified, num_accepted)
         requests = len(req_ids)
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
-        steady = (self._prev_end is not None and requests > 0 and same_or_fewer
-                  and num_tokens == requests + int(num_verified.sum()))
-        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()))
+        steady = same_or_fewer and num_tokens == requests + int(num_verified.sum())
+        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer)
         kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
         eligible = np.asarray(eligible, dtype=bool)
         planner = self.schedule or self.controller
@@ -133,30 +135,61 @@ class AdaptiveSpeculation:
                 or num_tokens != requests or req_ids != self._prev_req_list
                 or not self.controller.coasting(req_ids)):
             return False
-        self._learn_and_sample(now, requests, num_tokens, steady=True)
+        self._learn_and_sample(now, requests, num_tokens, steady=True, same_or_fewer=True)
         everyone = self._all_eligible.get(requests)
         if everyone is None:
             everyone = self._all_eligible[requests] = np.ones(requests, dtype=bool)
         self._step = StepState(now, self._prev_req_list, np.zeros(0, dtype=np.int64), everyone, Plan(0, OPTIMAL))
         return True
 
-    def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0) -> None:
+    def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0,
+                          same_or_fewer: bool = True) -> None:
         """Every step: the batched learning when due; on a steady step (the same or fewer
-        requests, plain decode plus the verified drafts) the E(R, tokens) sample and, when
-        the batch is unchanged, the realised/forecast time of the cycle that ends here and
-        the tokens it yielded (one per request plus the `accepted` drafts) against those
-        expected."""
+        requests, plain decode plus the verified drafts) the E(R, tokens) sample; and on
+        every step the realised/forecast time of the cycle that ends here and the tokens
+        it yielded (one per request plus the `accepted` drafts) against those expected.
+
+        A cycle whose step carried a prompt chunk, or whose batch changed, is forecast
+        again for what it ran: the step outside drafting at this step's requests and
+        scheduled tokens, prompt tokens priced like verified drafts. In-flight batching
+        at many requests puts a new request's prompt into most steps once speculation
+        has put requests out of step; learning from steady cycles only, the factors
+        never saw the cycles where drafting lost (measured: 32 requests drafting at
+        0.6x the tokens per second of not drafting, for as long as prompts kept coming)."""
         self._steps_since_learning += 1
         if self._steps_since_learning >= self.learn_every:
             self.learn()
-        if not steady:
+        if self._prev_end is None or requests == 0:
             return
+        # Seconds in the curves' units: divided by how fast the machine runs now (`SpeedIndex`).
         outside = now - self._prev_end
-        self.controller.step_cost.observe(requests, num_tokens / requests, outside)
-        if self._prev_cycle is not None and len(self._prev_req_ids) == requests:
-            q, forecast, drafting, expected = self._prev_cycle  # that call's cycle ends here
-            self.controller.realized.observe(requests, q > 0, forecast, drafting + outside, expected,
-                                             requests + accepted)
+        if steady:
+            predicted = self.controller.step_seconds(requests, num_tokens, cached_only=True)
+            if predicted > 0:  # the index follows the steps (most of them) a cached plan predicts
+                self.speed.observe(outside, predicted)
+            outside /= self.speed.factor
+            self.controller.step_cost.observe(requests, num_tokens / requests, outside)
+        else:
+            outside /= self.speed.factor
+        if self._prev_cycle is None:
+            return
+        q, draft_forecast, step_forecast, drafting, expected_accepted, prev_requests, budget = self._prev_cycle
+        if draft_forecast + step_forecast <= 0:  # a forced or warm-up plan: no forecast
+            return
+        if not (steady and prev_requests == requests):
+            if num_tokens > requests * (self.max_k + 1):  # past the measured curves: an extrapolation
+                return
+            # The tokens the step ran beyond the budgets (a prompt chunk) priced like verified drafts.
+            now_step = self.controller.step_seconds(requests, num_tokens)
+            budgeted = self.controller.step_seconds(requests, min(requests + budget, num_tokens))
+            if now_step <= 0 or budgeted <= 0:
+                return
+            step_forecast += now_step - budgeted
+            # New requests after the engine waited for work: the gap is idle time, not the step's.
+            if not same_or_fewer and outside > 3.0 * now_step:
+                return
+        self.controller.realized.observe(requests, q > 0, draft_forecast + step_forecast, drafting + outside,
+                                         requests + expected_accepted, requests + accepted)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
@@ -213,20 +246,24 @@ class AdaptiveSpeculation:
         shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
         raw = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
         survival = self.correction.apply(raw)
+        # Budgets are chosen on the calibration's upper bounds (rarely verified positions get
+        # the benefit of the doubt until they are measured); survival itself, the estimate,
+        # is what is recorded, learned from and expected.
+        optimistic = self.correction.apply(raw, optimistic=True)
         planner = self.schedule or self.controller
         # Positions a request cannot use are worth nothing to the budget choice (a forced test
         # schedule keeps its own lengths); the models still learn from the drafts' survival.
         width = feature.shape[1]
         capped = st.useful is not None and self.schedule is None
-        usable = survival
         if capped:
-            usable = np.where(np.arange(width)[None, :] < st.useful[:, None], survival, 0.0)
-        budgets = planner.budgets(st.plan, usable, now - st.t0, st.eligible)
+            usable = np.arange(width)[None, :] < st.useful[:, None]
+            optimistic = np.where(usable, optimistic, 0.0)
+        budgets = planner.budgets(st.plan, optimistic, now - st.t0, st.eligible)
         budgets = np.where(st.eligible, np.minimum(budgets, np.minimum(st.useful, width) if capped else width), 0)
         st.budgets = budgets
         if budgets.any():  # survival summed over each request's budget: its expected accepted drafts
             rows = np.flatnonzero(budgets)
-            cumulative = np.cumsum(usable[rows], axis=1)
+            cumulative = np.cumsum(survival[rows], axis=1)
             st.expected_accepted = float(cumulative[np.arange(rows.size), budgets[rows] - 1].sum())
         if st.eligible.all():
             self._drafted.append((st.req_ids, st.kinds, survival))
@@ -246,11 +283,11 @@ class AdaptiveSpeculation:
         requests = len(st.req_ids)
         drafting = max(now - st.t0 - not_drafting, 0.0)
         if requests:
-            self.controller.draft_cost.observe(requests, st.plan.q + 1, drafting)
-        forecast = 0.0
+            self.controller.draft_cost.observe(requests, st.plan.q + 1, drafting / self.speed.factor)
+        parts, budget = (0.0, 0.0), int(st.budgets.sum())
         if requests and st.plan.reason in (OPTIMAL, EXPLORE):  # forced and warm-up plans: no forecast
-            forecast = self.controller.forecast_seconds(requests, st.plan.q, int(st.budgets.sum()))
-        self._prev_cycle = (st.plan.q, forecast, drafting, requests + st.expected_accepted)
+            parts = self.controller.forecast_parts(requests, st.plan.q, budget)
+        self._prev_cycle = (st.plan.q, *parts, drafting / self.speed.factor, st.expected_accepted, requests, budget)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)

@@ -54,7 +54,7 @@ from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confid
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
-from vllm_dflash.serving.context_queue import ContextRows, DeferredContext
+from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, max_held_rows
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 from vllm_dflash.verifier import sampling_params
@@ -108,7 +108,10 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self._tp_size, tp_rank = _tensor_parallel()
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
-        self.deferred_context = DeferredContext(vllm_config.scheduler_config.max_num_batched_tokens)
+        feature_bytes = (len(self.dflash_config.target_layer_ids) * vllm_config.model_config.get_hidden_size()
+                         * torch.empty(0, dtype=vllm_config.model_config.dtype).element_size())
+        self.deferred_context = DeferredContext(max_held_rows(
+            vllm_config.scheduler_config.max_num_batched_tokens, feature_bytes, self.device.type == "cpu"))
         # Held rows of requests that finish before they are written are dropped, unless prefix caching may
         # let a later request read the finished one's blocks (serving.context_queue).
         self._drop_finished_context = not vllm_config.cache_config.enable_prefix_caching
