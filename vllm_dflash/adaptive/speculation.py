@@ -93,9 +93,9 @@ class AdaptiveSpeculation:
         self._prev_req_list: list[str] = []
         self._all_eligible: dict[int, np.ndarray] = {}  # read-only masks for coasting steps
         self._prev_end: float | None = None
-        # (q, forecast drafting and step seconds, drafting seconds, expected accepted drafts, requests,
-        # total budget) of the last call
-        self._prev_cycle: tuple[int, float, float, float, float, int, int] | None = None
+        # (q, forecast drafting and step seconds, drafting seconds, expected accepted drafts, requests)
+        # of the last call
+        self._prev_cycle: tuple[int, float, float, float, float, int] | None = None
         self._step: StepState | None = None
 
     @property
@@ -167,26 +167,20 @@ class AdaptiveSpeculation:
             predicted = self.controller.step_seconds(requests, num_tokens, cached_only=True)
             if predicted > 0:  # the index follows the steps (most of them) a cached plan predicts
                 self.speed.observe(outside, predicted)
-            outside /= self.speed.factor
+        outside /= self.speed.factor
+        if steady:
             self.controller.step_cost.observe(requests, num_tokens / requests, outside)
-        else:
-            outside /= self.speed.factor
         if self._prev_cycle is None:
             return
-        q, draft_forecast, step_forecast, drafting, expected_accepted, prev_requests, budget = self._prev_cycle
+        q, draft_forecast, step_forecast, drafting, expected_accepted, prev_requests = self._prev_cycle
         if draft_forecast + step_forecast <= 0:  # a forced or warm-up plan: no forecast
             return
         if not (steady and prev_requests == requests):
             if num_tokens > requests * (self.max_k + 1):  # past the measured curves: an extrapolation
                 return
-            # The tokens the step ran beyond the budgets (a prompt chunk) priced like verified drafts.
-            now_step = self.controller.step_seconds(requests, num_tokens)
-            budgeted = self.controller.step_seconds(requests, min(requests + budget, num_tokens))
-            if now_step <= 0 or budgeted <= 0:
-                return
-            step_forecast += now_step - budgeted
+            step_forecast = self.controller.step_seconds(requests, num_tokens)
             # New requests after the engine waited for work: the gap is idle time, not the step's.
-            if not same_or_fewer and outside > 3.0 * now_step:
+            if step_forecast <= 0 or (not same_or_fewer and outside > 3.0 * step_forecast):
                 return
         self.controller.realized.observe(requests, q > 0, draft_forecast + step_forecast, drafting + outside,
                                          requests + expected_accepted, requests + accepted)
@@ -284,10 +278,10 @@ class AdaptiveSpeculation:
         drafting = max(now - st.t0 - not_drafting, 0.0)
         if requests:
             self.controller.draft_cost.observe(requests, st.plan.q + 1, drafting / self.speed.factor)
-        parts, budget = (0.0, 0.0), int(st.budgets.sum())
+        parts = (0.0, 0.0)
         if requests and st.plan.reason in (OPTIMAL, EXPLORE):  # forced and warm-up plans: no forecast
-            parts = self.controller.forecast_parts(requests, st.plan.q, budget)
-        self._prev_cycle = (st.plan.q, *parts, drafting / self.speed.factor, st.expected_accepted, requests, budget)
+            parts = self.controller.forecast_parts(requests, st.plan.q, int(st.budgets.sum()))
+        self._prev_cycle = (st.plan.q, *parts, drafting / self.speed.factor, st.expected_accepted, requests)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)

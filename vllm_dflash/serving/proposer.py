@@ -109,7 +109,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
         feature_bytes = (len(self.dflash_config.target_layer_ids) * vllm_config.model_config.get_hidden_size()
-                         * torch.empty(0, dtype=vllm_config.model_config.dtype).element_size())
+                         * vllm_config.model_config.dtype.itemsize)
         self.deferred_context = DeferredContext(max_held_rows(
             vllm_config.scheduler_config.max_num_batched_tokens, feature_bytes, self.device.type == "cpu"))
         # Held rows of requests that finish before they are written are dropped, unless prefix caching may
