@@ -103,6 +103,14 @@ def test_num_speculative_tokens_out_of_range(pair, num):
         resolve_dflash_speculative_config(spec, _target_model_config(pair))
 
 
+@pytest.mark.parametrize("option", ["disable_padded_drafter_batch", "use_local_argmax_reduction"])
+def test_unsupported_option_is_a_clear_error(pair, option):
+    with pytest.raises(ValueError, match=rf"speculative_config.{option} is not supported by vllm-dflash's DFlash "
+                                         r"proposer \(.*\); remove it"):
+        resolve_dflash_speculative_config({"method": "dflash", "model": pair.draft_dir, option: True},
+                                          _target_model_config(pair))
+
+
 def test_missing_model_for_unknown_target_says_how_to_pass_one(pair):
     with pytest.raises(ValueError, match=r"no known DFlash draft for target .* Pass one: speculative_config="):
         resolve_dflash_speculative_config({"method": "dflash"}, _target_model_config(pair))

@@ -1,6 +1,8 @@
-"""The proposer's CPU `prepare_next_token_ids_padded` gives exactly vLLM's outputs (next token id
-and valid-sample count per row) on random batches with rejected drafts (-1), out-of-vocabulary
-ids, rows with no valid sample and discarded rows (partial prefills)."""
+"""The drafter's per-step bookkeeping gives exactly vLLM's outputs: `prepare_next_token_ids_padded`
+(next token id and valid-sample count per row; the host path and the accelerator path, run here on
+CPU tensors) on random batches with rejected drafts (-1), out-of-vocabulary ids, rows with no valid
+sample and discarded rows (partial prefills); `prepare_inputs_padded` (rejected drafts and the last
+valid token per request) on random draft counts, against vLLM's CPU kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_dflash.serving.drafter_base import DrafterBase, next_tokens_on_device, next_tokens_on_host
 from vllm_dflash.serving.proposer import DFlashProposer
 
 VOCAB = 50
@@ -45,16 +48,54 @@ def random_batch(rng: np.random.Generator, batch: int, width: int):
     return (torch.tensor(sampled, dtype=torch.int32), requests, input_batch, torch.tensor(discard))
 
 
+@pytest.mark.parametrize("path", [next_tokens_on_host, next_tokens_on_device])
 @pytest.mark.parametrize("width", [1, 2, 4, 16])
-def test_cpu_next_token_ids_equal_vllm(width):
+def test_next_token_ids_equal_vllm(width, path):
     rng = np.random.default_rng(width)
     for trial in range(20):
         args = random_batch(rng, int(rng.integers(1, 70)), width)
         expected = vllm_cpu(*args)
-        ours = DFlashProposer.prepare_next_token_ids_padded(SimpleNamespace(), *args)
+        ours = path(*args)
         for want, got in zip(expected, ours):
             assert got.dtype == want.dtype == torch.int32
             assert torch.equal(got, want), (trial, args[0], args[3], want, got)
+    # The proposer takes the host path for host tensors.
+    args = random_batch(rng, 9, width)
+    assert all(torch.equal(a, b) for a, b in zip(DFlashProposer.prepare_next_token_ids_padded(None, *args),
+                                                  vllm_cpu(*args)))
+
+
+def test_rejected_drafts_and_last_valid_token_equal_vllm():
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.utils.cpu_triton_utils import _eagle_prepare_inputs_padded_kernel_impl
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        batch = int(rng.integers(1, 40))
+        drafts = rng.integers(0, 16, size=batch) * (rng.random(batch) < 0.7)  # some requests verify none
+        prompt = (rng.random(batch) < 0.2) * rng.integers(2, 30, size=batch)  # prompt chunks, no drafts
+        drafts[prompt > 0] = 0
+        query_lens = np.where(prompt > 0, prompt, drafts + 1)
+        valid = np.where(drafts > 0, rng.integers(1, drafts + 2), rng.integers(0, 2, size=batch)).astype(np.int32)
+        starts = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+        total = int(starts[-1])
+        cu_drafts = torch.tensor(np.cumsum(drafts), dtype=torch.int32)
+        cad = CommonAttentionMetadata(
+            query_start_loc=starts, query_start_loc_cpu=starts.clone(), seq_lens=starts[1:] + 5,
+            num_reqs=batch, num_actual_tokens=total + 3, max_query_len=99, max_seq_len=200,
+            block_table_tensor=torch.zeros(batch, 4, dtype=torch.int32),
+            slot_mapping=torch.arange(total + 3, dtype=torch.int64), causal=True)
+        want_index = torch.empty(batch, dtype=torch.int32)
+        want_rejected = torch.empty(batch, dtype=torch.int32)
+        _eagle_prepare_inputs_padded_kernel_impl(cu_drafts, torch.tensor(valid), starts, want_index, want_rejected,
+                                                 batch)
+        step_cad, index, rejected = DrafterBase.prepare_inputs_padded(
+            None, cad, SimpleNamespace(cu_num_draft_tokens=cu_drafts), torch.tensor(valid))
+        assert torch.equal(rejected, want_rejected) and rejected.dtype == torch.int32, trial
+        assert torch.equal(index, want_index) and index.dtype == torch.int32, trial
+        assert step_cad.num_actual_tokens == total and step_cad.max_query_len == int(query_lens.max())
+        assert torch.equal(step_cad.slot_mapping, cad.slot_mapping[:total]) and step_cad.causal
 
 
 def test_useful_drafts_stop_at_max_tokens():

@@ -3,7 +3,9 @@
 vLLM's in-tree DFlash is the rival the tests and the bench compare against, never code the
 plugin runs. The register (vllm_dflash.patches) names in-tree symbols as strings (what the
 profiler wraps on the rival, what drift tests resolve); those are not imports. vLLM itself
-imports `qwen3_dflash` from its own base proposer and runner, which no plugin code controls.
+imports its in-tree DFlash from its own runner, which no plugin code controls; the plugin's
+serving path (proposer, draft model, verifier, adaptive speculation) loads neither module,
+nor vLLM's generic base proposer, whose module imports `qwen3_dflash`.
 """
 
 import ast
@@ -84,7 +86,7 @@ print(json.dumps(sorted(set(importers))))
 def test_at_run_time_only_vllm_imports_its_in_tree_dflash():
     """Loading the plugin and every vllm_dflash module, in a fresh process with the import
     machinery watched: the in-tree DFlash modules are imported, but only by vLLM's own
-    modules (its runner and its generic base proposer), never by a plugin module; this sees
+    modules (its runner), never by a plugin module; this sees
     dynamic imports the source scan above cannot."""
     import json
     import subprocess
@@ -96,3 +98,29 @@ def test_at_run_time_only_vllm_imports_its_in_tree_dflash():
     importers = json.loads(out.stdout.strip().splitlines()[-1])
     assert importers, "the probe saw no import of the in-tree DFlash at all: it is not watching"
     assert all(name.startswith("vllm.") for name in importers), importers
+
+
+SERVING_PROBE = r"""
+import json, sys
+import vllm_dflash.serving.proposer, vllm_dflash.serving.draft_model, vllm_dflash.verifier, vllm_dflash.adaptive
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(IN_TREE + ("vllm.v1.spec_decode.llm_base_proposer",)))))
+"""
+
+
+def test_the_serving_path_loads_no_in_tree_dflash():
+    """In a fresh process, the plugin's proposer, draft model, verifier and adaptive speculation
+    load neither in-tree module, nor vLLM's generic base proposer (which imports qwen3_dflash);
+    the probe sees the base proposer when something imports it."""
+    import json
+    import subprocess
+    import sys
+
+    def loaded(source: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", f"IN_TREE = {IN_TREE!r}\n" + source], capture_output=True,
+                             text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert loaded(SERVING_PROBE) == []
+    assert loaded("import vllm.v1.spec_decode.llm_base_proposer\n" + SERVING_PROBE) == [
+        "vllm.model_executor.models.qwen3_dflash", "vllm.v1.spec_decode.llm_base_proposer"]

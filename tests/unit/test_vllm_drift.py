@@ -2,18 +2,16 @@
 and shaped how, the plugin expects; register() installs the patches once.
 No engine is started.
 
-Per entry: the symbol resolves; an override, a patched name or a wrapped
-method takes exactly the recorded parameters (and our override takes vLLM's);
-a called function still accepts the arguments we pass; vLLM's code still
-calls an override or patched name (`used_by` / `usage`), so an override cannot
-silently stop being called; a mirrored rule's source still states it; read
+Per entry: the symbol resolves; an override, an implemented protocol method,
+a patched name or a wrapped method takes exactly the recorded parameters (and
+ours takes vLLM's); a called function still accepts the arguments we pass;
+vLLM's code still calls an override, protocol method or patched name
+(`used_by` / `usage`), so ours cannot silently stop being called; a mirrored rule's source still states it; read
 attributes are still set by vLLM.
 
 `._private` accesses found by grep (`grep -rnE "\\._[a-z]" vllm_dflash`)
 and left out of the register on purpose: none on vLLM objects in
-vllm_dflash/ (each one is an entry: the proposer's _create_draft_vllm_config,
-_maybe_share_*, _sample_draft_tokens, _enable_probabilistic_draft_probs,
-_last_draft_probs, _draft_attn_layer_names; the sampler's
+vllm_dflash/ (each one is an entry: the sampler's
 _get_logprobs_tensors; the runner's _model_forward; the patched
 _validate_spec_decode and _get_v2_model_runner_unsupported_features; the
 mirrored _get_attn_isa). Not vLLM's: `torch.cpu._is_amx_tile_supported` and
@@ -41,7 +39,7 @@ import vllm_dflash
 from vllm_dflash import envs, patches
 from vllm_dflash.patches.internal import MARK, VLLM_VERSION, resolve
 
-EXACT_PARAMS = ("patch", "override", "wrap")
+EXACT_PARAMS = ("patch", "override", "implement", "wrap")
 
 
 def _params(obj) -> tuple[str, ...]:
@@ -112,9 +110,9 @@ def check_entry(entry) -> None:
             assert text in source, f"{entry.symbol} no longer says {text!r}"
     if entry.ours is not None:
         ours = resolve(entry.ours)
-        if entry.kind == "override" or entry.original is not None:
+        if entry.kind in ("override", "implement") or entry.original is not None:
             assert _params(ours) == entry.params, f"{entry.ours} takes {_params(ours)}, vLLM's {entry.params}"
-            if entry.kind == "override":
+            if entry.kind in ("override", "implement"):
                 owner = resolve(entry.ours.rsplit(".", 1)[0])
                 assert entry.qualname.rsplit(".", 1)[-1] in vars(owner), f"{entry.ours} no longer overrides it"
 
@@ -132,17 +130,17 @@ BASE = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 
 
 @pytest.mark.parametrize("change, message", [
-    # vLLM renamed the hook: our override would never be called again.
-    (dict(symbol=f"{BASE}._maybe_share_embedding"), "_maybe_share_embedding"),
-    # vLLM stopped calling it from load_model.
-    (dict(usage=("self._maybe_share_embeddings(target_model)",)), "no longer does"),
+    # vLLM renamed the protocol method: ours would never be called again.
+    (dict(symbol=f"{BASE}.initialise_attn_backend"), "initialise_attn_backend"),
+    # vLLM's runner stopped calling it that way.
+    (dict(usage=("self.drafter.initialize_attn_backend(kv_cache_config)",)), "no longer does"),
     # vLLM added a parameter.
-    (dict(params=("self", "target_language_model", "prefix")), "changed shape"),
-    # our override no longer overrides (a typo in our class).
-    (dict(ours="vllm_dflash.serving.proposer:DFlashProposer.load_model"), "takes"),
+    (dict(params=("self", "kv_cache_config", "kernel_block_sizes", "prefix")), "changed shape"),
+    # ours takes other parameters (a typo in our class).
+    (dict(ours="vllm_dflash.serving.drafter_base:DrafterBase.load_model"), "takes"),
 ])
 def test_check_catches_drift(change, message):
-    entry = dataclasses.replace(_entry(f"{BASE}._maybe_share_embeddings"), **change)
+    entry = dataclasses.replace(_entry(f"{BASE}.initialize_attn_backend"), **change)
     with pytest.raises((AssertionError, AttributeError), match=message):
         check_entry(entry)
 
@@ -151,9 +149,9 @@ def test_check_catches_a_changed_mirror_and_a_lost_attribute():
     mirror = _entry("vllm.v1.attention.backends.cpu_attn:_get_attn_isa")
     with pytest.raises(AssertionError, match="no longer says"):
         check_entry(dataclasses.replace(mirror, source_has=('return "amx512"',)))
-    read = _entry(BASE)
+    read = _entry("vllm.config.speculative:SpeculativeConfig")
     with pytest.raises(AssertionError, match="no longer has"):
-        check_entry(dataclasses.replace(read, names=("_draft_attn_layer_name",)))
+        check_entry(dataclasses.replace(read, names=("disable_padded_drafter_batches",)))
 
 
 def test_register_entries_are_unique_and_complete():

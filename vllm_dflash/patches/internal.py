@@ -22,6 +22,7 @@ VLLM_VERSION = "0.32.0"
 KINDS = {
     "patch": "replaced or wrapped in vLLM's own module or class (installed by register())",
     "override": "a vLLM method our subclass overrides; vLLM's code must still call it",
+    "implement": "a method vLLM calls on an object of ours in place of its own (same parameters); vLLM must still call it",
     "call": "a vLLM function or method we call, relying on its parameters",
     "read": "attributes of a vLLM object we read or set",
     "wrap": "an instance's method wrapped for timing (bench, profiler)",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from vllm_dflash.patches.internal import VllmInternal, wrap_once
 
+# The runner's drafter protocol, as vLLM's generic proposer implements it (named, never imported by the
+# plugin: its module imports the in-tree DFlash model; serving.drafter_base implements it for ours).
 BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 NEVER = "never: it is what makes the plugin's DFlash serve (vLLM's in-tree DFlash is the rival)"
@@ -246,19 +248,8 @@ ENTRIES: list[VllmInternal] = [
     ),
     # -------------------------------------------------------- proposer ----
     VllmInternal(
-        symbol=f"{BASE_PROPOSER}.__init__",
-        kind="call",
-        process=("worker",),
-        why="vLLM's generic proposer supplies the plumbing the runner calls (model loading, draft attention "
-        "groups, buffers, next-token and rejection bookkeeping, cudagraph keys)",
-        how="DFlashProposer subclasses it: super().__init__(vllm_config, device, "
-        "pass_hidden_states_to_model=False, runner=runner)",
-        remove_when="never (the base class is vLLM's proposer API)",
-        params=("vllm_config", "device", "pass_hidden_states_to_model", "runner"),
-    ),
-    VllmInternal(
         symbol=f"{BASE_PROPOSER}.propose",
-        kind="override",
+        kind="implement",
         ours="vllm_dflash.serving.proposer:DFlashProposer.propose",
         process=("worker",),
         why="the runner hands every drafter the target's hidden states and attention metadata here",
@@ -272,7 +263,7 @@ ENTRIES: list[VllmInternal] = [
     ),
     VllmInternal(
         symbol=f"{BASE_PROPOSER}.dummy_run",
-        kind="override",
+        kind="implement",
         ours="vllm_dflash.serving.proposer:DFlashProposer.dummy_run",
         process=("worker",),
         why="memory profiling and warm-up run the drafter once with the largest batch",
@@ -284,93 +275,187 @@ ENTRIES: list[VllmInternal] = [
     ),
     VllmInternal(
         symbol=f"{BASE_PROPOSER}.load_model",
-        kind="override",
+        kind="implement",
         ours="vllm_dflash.serving.proposer:DFlashProposer.load_model",
         process=("worker",),
-        why="check that the draft loaded as our DFlashDraftForCausalLM and install the opt-in phase profile",
-        how="DFlashProposer.load_model calls super().load_model(target_model) first",
+        why="the runner loads the drafter after the target: the draft shares the target's embedding and LM head",
+        how="DrafterBase.load_model: get_model with the draft's config, the draft's attention layers are the "
+        "ones the target lacks; DFlashProposer checks the draft loaded as DFlashDraftForCausalLM",
         remove_when="never (it is the proposer API)",
         params=("self", "target_model"),
         used_by=RUNNER,
         usage=("self.drafter.load_model(",),
     ),
     VllmInternal(
-        symbol=f"{BASE_PROPOSER}._create_draft_vllm_config",
-        kind="override",
-        ours="vllm_dflash.serving.proposer:DFlashProposer._create_draft_vllm_config",
+        symbol=f"{BASE_PROPOSER}.initialize_attn_backend",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.initialize_attn_backend",
         process=("worker",),
-        why="the draft is text-only and its query block attends non-causally: the draft's VllmConfig needs "
-        "is_mm_prefix_lm off and attention_config.use_non_causal on",
-        how="override: super()'s config, then dataclasses.replace of those two fields",
-        remove_when="vLLM lets a proposer declare a non-causal draft (in-tree DFlash sets the same flags in its subclass)",
-        params=("self",),
-        used_by=f"{BASE_PROPOSER}._get_model",
-        usage=("self._create_draft_vllm_config()",),
+        why="once the KV cache is laid out the runner hands the drafter its groups, to build the draft layers' "
+        "attention metadata builders",
+        how="one vLLM AttentionGroup per backend among the draft layers, in their (single) KV cache group",
+        remove_when="never (it is the proposer API)",
+        params=("self", "kv_cache_config", "kernel_block_sizes"),
+        used_by=RUNNER,
+        usage=("self.drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)",),
     ),
     VllmInternal(
-        symbol=f"{BASE_PROPOSER}._maybe_share_embeddings",
-        kind="override",
-        ours="vllm_dflash.serving.proposer:DFlashProposer._maybe_share_embeddings",
+        symbol=f"{BASE_PROPOSER}.initialize_cudagraph_keys",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.initialize_cudagraph_keys",
         process=("worker",),
-        why="a DFlash draft has no embedding of its own: it always uses the target's (vLLM's version keeps a "
-        "draft's own when the checkpoint has one, and logs otherwise)",
-        how="override: set draft.model.embed_tokens to the target's model.embed_tokens, ValueError if absent",
-        remove_when="never while the draft shares the target's embedding",
-        params=("self", "target_language_model"),
-        used_by=f"{BASE_PROPOSER}.load_model",
-        usage=("self._maybe_share_embeddings(target_language_model)",),
-    ),
-    VllmInternal(
-        symbol=f"{BASE_PROPOSER}._maybe_share_lm_head",
-        kind="override",
-        ours="vllm_dflash.serving.proposer:DFlashProposer._maybe_share_lm_head",
-        process=("worker",),
-        why="a DFlash draft has no LM head of its own: it always uses the target's",
-        how="override: set draft.lm_head to the target's lm_head, ValueError if absent",
-        remove_when="never while the draft shares the target's LM head",
-        params=("self", "target_language_model"),
-        used_by=f"{BASE_PROPOSER}.load_model",
-        usage=("self._maybe_share_lm_head(target_language_model)",),
+        why="the runner asks every hidden-state drafter for its CUDA graph keys",
+        how="nothing: the draft runs eagerly",
+        remove_when="never (it is the proposer API)",
+        params=("self", "cudagraph_mode"),
+        used_by=RUNNER,
+        usage=("self.drafter.initialize_cudagraph_keys(cudagraph_mode)",),
     ),
     VllmInternal(
         symbol=f"{BASE_PROPOSER}.prepare_next_token_ids_padded",
-        kind="override",
-        ours="vllm_dflash.serving.proposer:DFlashProposer.prepare_next_token_ids_padded",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.prepare_next_token_ids_padded",
         process=("worker",),
         why="the runner calls it every speculative step, drafting or not; on CPU vLLM's looks up every "
         "request's fallback token in a Python loop that rebuilds input_batch.req_ids per row and round-trips "
         "each tensor through int64 for its kernel: in a no-draft step at 64 requests it cost more than the "
         "rest of drafting but the context write",
-        how="override on CPU: the same outputs in numpy, fallback tokens looked up only for the rows that "
-        "use them (discarded or without a valid sample); CUDA: super()",
-        remove_when="vLLM's CPU path builds the fallback tokens once per step",
+        how="on CPU in numpy, fallback tokens looked up only for the rows that use them (discarded or without a "
+        "valid sample); on an accelerator in tensor ops with every row's fallback read on the host "
+        "(tests/unit/test_next_token_ids.py: both equal vLLM's kernel)",
+        remove_when="never (it is the proposer API)",
         params=("self", "sampled_token_ids", "requests", "gpu_input_batch", "discard_request_mask"),
         used_by=f"{RUNNER}.propose_draft_token_ids",
         usage=("self.drafter.prepare_next_token_ids_padded(",),
     ),
     VllmInternal(
-        symbol=f"{BASE_PROPOSER}.build_per_group_and_layer_attn_metadata",
+        symbol=f"{BASE_PROPOSER}.prepare_inputs_padded",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.prepare_inputs_padded",
+        process=("worker",),
+        why="after verification the runner asks the drafter for the step's attention metadata and each "
+        "request's rejected drafts, which it passes back to propose()",
+        how="rejected = drafts + 1 - valid samples (0 without drafts), as vLLM's kernel "
+        "(tests/unit/test_next_token_ids.py: equal to vLLM's CPU kernel)",
+        remove_when="never (it is the proposer API)",
+        params=("self", "common_attn_metadata", "spec_decode_metadata", "valid_sampled_tokens_count"),
+        used_by=f"{RUNNER}.propose_draft_token_ids",
+        usage=("self.drafter.prepare_inputs_padded(",),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.take_last_draft_probs",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.take_last_draft_probs",
+        process=("worker",),
+        why="sampled drafts leave their distributions q for the rejection sampler",
+        how="returns the [B, q, V] probabilities of the last sampled block, or None (argmax drafts)",
+        remove_when="never (it is the proposer API)",
+        params=("self",),
+        used_by=f"{RUNNER}.propose_draft_token_ids",
+        usage=('hasattr(self.drafter, "take_last_draft_probs")', "self.drafter.take_last_draft_probs()"),
+    ),
+    VllmInternal(
+        symbol=f"{BASE_PROPOSER}.set_eplb_state",
+        kind="implement",
+        ours="vllm_dflash.serving.drafter_base:DrafterBase.set_eplb_state",
+        process=("worker",),
+        why="with expert load balancing the runner hands a drafter with MoE layers its state (a DFlash draft "
+        "has none; the runner only calls it for one)",
+        how="kept as eplb_state",
+        remove_when="never (it is the proposer API)",
+        params=("self", "eplb_state"),
+        used_by=RUNNER,
+        usage=("self.drafter.set_eplb_state(self.eplb_state)",),
+    ),
+    VllmInternal(
+        symbol=RUNNER,
+        kind="mirror",
+        process=("worker",),
+        why="attributes the runner reads on a hidden-state drafter, which DrafterBase sets: the draft layers' "
+        "KV cache group and attention groups, and whether it takes multimodal embeddings",
+        how="DrafterBase.__init__ / initialize_attn_backend set kv_cache_gid, draft_attn_groups, "
+        "supports_mm_inputs (False: the draft is text-only)",
+        remove_when="never (it is the proposer API)",
+        source_has=("self.drafter.kv_cache_gid == kv_cache_gid", 'getattr(self.drafter, "draft_attn_groups", [])',
+                    "self.supports_mm_inputs and self.drafter.supports_mm_inputs"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.model_loader:get_model",
+        kind="call",
+        process=("worker",),
+        why="the draft loads through vLLM's loader (weights, quantisation, the registry's DFlashDraftModel)",
+        how="get_model(vllm_config=draft config, model_config=speculative_config.draft_model_config, "
+        "load_config=get_draft_load_config(draft config)), inside set_model_tag('dflash_draft')",
+        remove_when="never (it is vLLM's loader)",
+        params=("vllm_config", "model_config", "load_config"),
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.model_loader.utils:get_draft_load_config",
+        kind="call",
+        process=("worker",),
+        why="the draft's load config (its own weights path and format)",
+        how="get_draft_load_config(draft_vllm_config)",
+        remove_when="never (it is vLLM's loader)",
+        params=("vllm_config",),
+    ),
+    VllmInternal(
+        symbol="vllm.compilation.backends:set_model_tag",
+        kind="call",
+        process=("worker",),
+        why="the draft's torch.compile artefacts must not share the target's cache directory",
+        how="with set_model_tag('dflash_draft'): get_model(...)",
+        remove_when="never (it is how vLLM separates compiled models)",
+        params=("tag",),
+    ),
+    VllmInternal(
+        symbol="vllm.config:get_layers_from_vllm_config",
+        kind="call",
+        process=("worker",),
+        why="the draft's attention layers are the ones registered after the target's",
+        how="get_layers_from_vllm_config(vllm_config, AttentionLayerBase) before and after loading the draft",
+        remove_when="never (it is vLLM's layer registry)",
+        params=("vllm_config", "layer_type"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.worker.utils:AttentionGroup",
+        kind="call",
+        process=("worker",),
+        why="the draft layers' attention metadata builders (the runner reads draft_attn_groups too)",
+        how="AttentionGroup(backend=, layer_names=, kv_cache_spec=, kv_cache_group_id=)"
+        ".create_metadata_builders(vllm_config, device, kernel_block_size=)",
+        remove_when="never (it is vLLM's attention-group type)",
+        params=("backend", "layer_names", "kv_cache_spec", "kv_cache_group_id"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.worker.utils:AttentionGroup.create_metadata_builders",
+        kind="call",
+        process=("worker",),
+        why="see AttentionGroup",
+        how="attn_group.create_metadata_builders(vllm_config, device, kernel_block_size=...)",
+        remove_when="never (it is vLLM's attention-group type)",
+        params=("vllm_config", "device", "kernel_block_size"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.worker.utils:AttentionGroup.build_metadata_for_drafting",
         kind="call",
         process=("worker",),
         why="the query block's attention metadata comes from vLLM's builder for the draft's attention groups",
-        how="self.build_per_group_and_layer_attn_metadata(common_attn_metadata) -> (_, per_layer)",
-        remove_when="never (it is how a proposer gets attention metadata)",
-        params=("common_attn_metadata",),
+        how="attn_group.build_metadata_for_drafting(common_attn_metadata=, draft_index=0)",
+        remove_when="never (it is how a drafter gets attention metadata)",
+        params=("common_attn_metadata", "draft_index"),
     ),
     VllmInternal(
-        symbol=BASE_PROPOSER,
+        symbol="vllm.config.speculative:SpeculativeConfig",
         kind="read",
         process=("worker",),
-        why="state vLLM's base proposer keeps: whether probabilistic drafting is on, where the draft "
-        "probabilities go for the rejection sampler, the draft's attention layers (slot mappings), buffers",
-        how="read self._enable_probabilistic_draft_probs, self._draft_attn_layer_names, self.positions, "
-        "self.input_ids, self.max_batch_size, self.dtype, self.block_size; set self._last_draft_probs "
-        "(the runner fetches it through take_last_draft_probs())",
-        remove_when="vLLM exposes them publicly",
-        names=("_enable_probabilistic_draft_probs", "_last_draft_probs", "_draft_attn_layer_names",
-               "positions", "input_ids", "max_batch_size", "dtype", "block_size"),
-        used_by=f"{RUNNER}.propose_draft_token_ids",
-        usage=('hasattr(self.drafter, "take_last_draft_probs")', "self.drafter.take_last_draft_probs()"),
+        why="the drafter's options",
+        how="disable_padded_drafter_batch and use_local_argmax_reduction (refused with a message), "
+        "rejection_sample_method + draft_sample_method (probabilistic drafting), attention_backend and "
+        "kv_cache_dtype (the draft's own), draft_model_config",
+        remove_when="never (it is vLLM's speculative config)",
+        names=("disable_padded_drafter_batch", "use_local_argmax_reduction", "rejection_sample_method",
+               "draft_sample_method", "attention_backend", "kv_cache_dtype", "draft_model_config",
+               "num_speculative_tokens"),
     ),
     VllmInternal(
         symbol="vllm.v1.attention.backend:CommonAttentionMetadata",

@@ -83,6 +83,22 @@ def read_draft_config(model: str, revision: str | None = None) -> dict[str, Any]
         return json.load(f)
 
 
+# vLLM speculative options the plugin's proposer refuses (set to a truthy value), and why.
+UNSUPPORTED_OPTIONS = {
+    "disable_padded_drafter_batch": "it drafts from the padded batch",
+    "use_local_argmax_reduction": "its drafts take the argmax of the full-vocabulary logits",
+}
+
+
+def refuse_unsupported_options(get: Callable[[str], Any]) -> None:
+    """ValueError naming the first unsupported option set (`get(name)`: its value)."""
+    for option, why in UNSUPPORTED_OPTIONS.items():
+        if get(option):
+            raise ValueError(
+                f"speculative_config.{option} is not supported by vllm-dflash's DFlash proposer ({why}); remove it"
+            )
+
+
 def resolve_dflash_speculative_config(
     spec: Mapping[str, Any], target_model_config: Any
 ) -> tuple[dict[str, Any], DFlashConfig]:
@@ -91,6 +107,7 @@ def resolve_dflash_speculative_config(
     `spec` uses vLLM's field names; `target_model_config` is vLLM's
     ModelConfig of the target (`.model`, `.hf_config`).
     """
+    refuse_unsupported_options(spec.get)
     added: dict[str, Any] = {}
     model = spec.get("model")
     if not model:

@@ -3,9 +3,9 @@
 The runner (`GPUModelRunner`, also the CPU runner's base) builds its drafter
 as `DFlashProposer(vllm_config, device, runner)` and checks it with
 `isinstance(..., DFlashProposer)`; `vllm_dflash.patches` points that name at
-this class. vLLM's generic `SpecDecodeBaseProposer` still supplies the
-plumbing the runner calls (model loading, draft attention groups, next-token
-and rejection bookkeeping, cudagraph keys); this class owns what is DFlash:
+this class. `serving.drafter_base` answers the rest of what the runner calls
+(model loading, draft attention groups, next-token and rejection
+bookkeeping); this class owns what is DFlash:
 
 1. context: the target hidden states of the newly verified tokens only
    (rejected drafts are skipped) -> fc + hidden_norm -> per-layer K/V written
@@ -45,7 +45,6 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_dflash import envs, ops, profiler
 from vllm_dflash.adaptive import prometheus
@@ -57,6 +56,7 @@ from vllm_dflash.serving.adaptive_option import adaptive_enabled
 from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, max_held_rows
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
+from vllm_dflash.serving.drafter_base import DrafterBase
 from vllm_dflash.verifier import sampling_params
 from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.sampler import min_p_per_request
@@ -85,19 +85,14 @@ class _StepInputs(NamedTuple):
     num_rejected_tokens_gpu: torch.Tensor | None
 
 
-class DFlashProposer(SpecDecodeBaseProposer):
+class DFlashProposer(DrafterBase):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         spec = vllm_config.speculative_config
         if spec is None or spec.method != "dflash":
             raise ValueError("vllm-dflash's DFlashProposer needs speculative_config.method='dflash'")
-        if spec.use_local_argmax_reduction:
-            raise ValueError(
-                "speculative_config.use_local_argmax_reduction is not supported by "
-                "vllm-dflash's DFlash proposer; remove it"
-            )
         # The draft forward takes token ids only: target features enter through
         # the context KV written by store_context_kv, not as model inputs.
-        super().__init__(vllm_config, device, pass_hidden_states_to_model=False, runner=runner)
+        super().__init__(vllm_config, device)
         self.dflash_config = dflash_config_of(spec)
         self.mask_token_id = self.dflash_config.mask_token_id
         # Batch state read from the runner (register: patches.serving / patches.adaptive): request ids,
@@ -145,15 +140,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
             stats=AdaptiveStats(self.num_speculative_tokens, path=path),
         )
 
-    def _create_draft_vllm_config(self) -> VllmConfig:
-        base = super()._create_draft_vllm_config()
-        # The draft is text-only, and its query block needs a backend that can
-        # attend non-causally.
-        arch = base.model_config.model_arch_config
-        if getattr(arch, "is_mm_prefix_lm", False):
-            base.model_config.model_arch_config = replace(arch, is_mm_prefix_lm=False)
-        return replace(base, attention_config=replace(base.attention_config, use_non_causal=True))
-
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
         model = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
@@ -163,61 +149,6 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 "architectures=['DFlashDraftModel'] in the draft's config.json"
             )
         profiler.install_from_env(self)  # no-op unless VLLM_DFLASH_PROFILE_FILE is set
-
-    def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
-        inner = getattr(target_language_model, "model", None)
-        embed = getattr(inner, "embed_tokens", None)
-        if embed is None:
-            embed = getattr(inner, "embedding", None)
-        if embed is None:
-            raise ValueError(
-                f"target {type(target_language_model).__name__} exposes no model.embed_tokens; "
-                "a DFlash draft shares the target's token embedding"
-            )
-        self.model.model.embed_tokens = embed
-
-    def _maybe_share_lm_head(self, target_language_model: torch.nn.Module) -> None:
-        lm_head = getattr(target_language_model, "lm_head", None)
-        if lm_head is None:
-            raise ValueError(
-                f"target {type(target_language_model).__name__} exposes no lm_head; "
-                "a DFlash draft shares the target's LM head"
-            )
-        self.model.lm_head = lm_head
-
-    def prepare_next_token_ids_padded(
-        self,
-        sampled_token_ids: torch.Tensor,
-        requests: dict,
-        gpu_input_batch,
-        discard_request_mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next token id [B] int32, valid sampled tokens [B] int32), as vLLM computes them:
-        the last sampled token that is neither -1 (rejected) nor outside the vocabulary, and
-        how many there are; a discarded row (partial prefill) or a row with none falls back
-        to the request's last token and counts 0.
-
-        On CPU this runs every step, drafting or not, and vLLM's version spends more than
-        the rest of a no-draft step's drafting on it: it looks up every request's fallback
-        token in a Python loop that rebuilds the batch's request-id list per row, then
-        converts each tensor to int64 and back for its kernel. Here the fallback is looked
-        up only for the rows that use it. CUDA keeps vLLM's kernel."""
-        if sampled_token_ids.device.type != "cpu":
-            return super().prepare_next_token_ids_padded(
-                sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
-        sampled = sampled_token_ids.numpy()  # host memory: numpy's per-call cost is a fraction of torch's
-        batch_size, width = sampled.shape
-        valid = (sampled != -1) & (sampled < gpu_input_batch.vocab_size)
-        valid_count = valid.sum(axis=1, dtype=np.int32)
-        last = width - 1 - np.argmax(valid[:, ::-1], axis=1)  # last valid column (any column if none)
-        next_token_ids = sampled[np.arange(batch_size), last].astype(np.int32)
-        valid_count[discard_request_mask[:batch_size].numpy()] = 0
-        fallback_rows = np.flatnonzero(valid_count == 0).tolist()  # discarded, or nothing valid
-        if fallback_rows:
-            req_ids, num_tokens = gpu_input_batch.req_ids, gpu_input_batch.num_tokens_no_spec
-            for row in fallback_rows:  # the request's last token
-                next_token_ids[row] = requests[req_ids[row]].get_token_id(int(num_tokens[row]) - 1)
-        return torch.from_numpy(next_token_ids), torch.from_numpy(valid_count)
 
     @torch.inference_mode()
     def dummy_run(
@@ -279,7 +210,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         vLLM's attention metadata and the query-block forward. q = 0 writes
         the context and drafts nothing.
         """
-        self._last_draft_probs = None
+        self.last_draft_probs = None
         target_positions, target_hidden_states, next_token_ids, cad, sampling_metadata, num_rejected_tokens_gpu = inputs
         batch_size = next_token_ids.shape[0]
         num_rows = target_positions.shape[0]
@@ -335,7 +266,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
             per_layer_metadata,
             self.vllm_config,
             num_tokens=batch_size * q_len,
-            slot_mapping={name: step.slots for name in self._draft_attn_layer_names},
+            slot_mapping={name: step.slots for name in self.draft_attn_layer_names},
         ):
             hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
         # Row 0 of each block is the bonus token; rows 1..q predict the drafts.
@@ -409,7 +340,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
         self._write_context(rows, hold=True, features_owned=True,
                             owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
-        self._last_draft_probs = None
+        self.last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         return self._finish_adaptive(self.last_draft_block, None)
 
@@ -533,12 +464,12 @@ class DFlashProposer(SpecDecodeBaseProposer):
 
         Argmax drafts, or sampled drafts with vLLM's `draft_sample_method=
         "probabilistic"` (their distributions q then go to the rejection
-        sampler, through `_last_draft_probs`), a seeded request's from its
+        sampler, through `last_draft_probs`), a seeded request's from its
         own generator (`_seeded_draft_generators`). Sampled
         drafts are scored by the probability they were drawn with
         (`sampled_confidence`), argmax drafts by the logit margin."""
         logits = self.model.compute_logits(hidden_states)
-        sampled_drafts = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        sampled_drafts = self.draft_probs_enabled and not sampling_metadata.all_greedy
         if confidence and not sampled_drafts:
             return argmax_with_confidence(logits, self.confidence_feature)
         conf = draft_confidence(logits, self.confidence_feature) if confidence else None
@@ -549,7 +480,7 @@ class DFlashProposer(SpecDecodeBaseProposer):
                 temperature=sampling_metadata.temperature, top_k=sampling_metadata.top_k,
                 top_p=sampling_metadata.top_p, min_p=min_p_per_request(sampling_metadata, batch_size),
                 generators=self._seeded_draft_generators(sampling_metadata, batch_size))
-            self._last_draft_probs = block_probs
+            self.last_draft_probs = block_probs
             draft_ids, probs = block_ids.view(-1), block_probs.view(batch_size * width, -1)
             if conf is not None:
                 sampled = ~sampling_params.greedy_mask(sampling_metadata.temperature, probs.shape[0] // width,
