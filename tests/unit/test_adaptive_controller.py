@@ -152,7 +152,7 @@ def test_plan_values_prefer_verifying_only_the_likely_positions():
     # Cheap drafting, verification cost per token: a short draft of a confident request is best.
     c = controller(lambda r, t: 1e-3 * (1 + 0.5 * (t - 1)), lambda r, t: 1e-5 * t)
     prior = np.cumprod(np.array([0.99, 0.98, 0.5] + [0.1] * (K - 3)))[None, :]
-    values, _, _ = c.plan_values(prior, 1)
+    values, _, _, _ = c.plan_values(prior, 1)
     assert int(np.argmax(values)) in (2, 3)
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from vllm_dflash.adaptive.calibration import GREEDY
-from vllm_dflash.adaptive.controller import OPTIMAL, BudgetController
-from vllm_dflash.adaptive.realized import RealizedRatio
+from vllm_dflash.adaptive.controller import OPTIMAL, PROBE, BudgetController, Plan
+from vllm_dflash.adaptive.realized import ArmRates, RealizedRatio
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
 K = 15
@@ -61,13 +61,14 @@ def test_ratio_forgets_and_clips():
     assert math.isfinite(r.log_sum.sum()) and r.factors(1)[1] == pytest.approx(1.0, abs=0.01)
 
 
-def _controller_drafting_at_8(**kwargs) -> tuple[BudgetController, list[str], np.ndarray]:
-    """A controller past warm-up whose fitted curves say drafting pays a little for 8
-    greedy requests at acceptance 0.6 per position."""
+def _controller_drafting_at_8(slope: float = 0.05, **kwargs) -> tuple[BudgetController, list[str], np.ndarray]:
+    """A controller past warm-up whose fitted curves say drafting pays for 8 greedy
+    requests at acceptance 0.6 per position (a little; by about 13% with `slope` 0.3,
+    each verified token costing 30% of a decode step)."""
     c = BudgetController(K, 64, seed=0, max_explore_probability=0.0, **kwargs)
     for t in range(1, K + 2):
         for _ in range(3):
-            c.step_cost.observe(8, t, 1e-3 * (1 + 0.05 * (t - 1)))
+            c.step_cost.observe(8, t, 1e-3 * (1 + slope * (t - 1)))
             c.draft_cost.observe(8, t, 2e-4 * t)
     c._warmup_done[c._warmup_key(8)] = c.warmup_steps
     c._warmup_total += c.warmup_steps
@@ -235,3 +236,110 @@ def test_a_plan_whose_drafts_yield_less_than_promised_is_planned_away():
         spec.begin(now, ids, budgets, none, 8 + int(budgets.sum()), greedy, everyone)  # nothing accepted
     assert drafted >= 4 and spec._step.plan.q == 0
     assert c.realized.factors(8)[1] > 1.3  # on time, so from the yield alone
+
+
+# ------------------------------------------------------------ measured arms --
+
+
+def _cycles(arms: ArmRates, rng, n: int, draft_every: int, draft_rate: float, no_draft_rate: float,
+            noise: float = 0.15, requests: int = 8) -> None:
+    """n cycles at `requests`, one in `draft_every` drafting; log-normal noise on each cycle's seconds."""
+    for i in range(n):
+        drafted = i % draft_every == 0
+        tokens = 17.3 if drafted else 8.0
+        rate = draft_rate if drafted else no_draft_rate
+        arms.observe(requests, drafted, tokens / rate * math.exp(rng.normal(0.0, noise)), tokens)
+
+
+def test_arms_tell_a_drafting_loss_only_beyond_their_noise():
+    """Drafting 20% fewer tokens per second than not drafting (the traced 8-request float32
+    cell), 15% noise per cycle: no verdict before min_cycles of each arm, then -1; with equal
+    rates, a verdict either way at the end of a run comes out in at most 12% of 100 seeds
+    (z = 2: about 5% expected; the bound leaves room for the noise floor and forgetting);
+    the loss is found in at least 95 of the 100."""
+    arms = ArmRates([1, 2, 4, 8, 16])
+    assert arms.verdict(8) == 0 and arms.rates(8) == (0.0, 0.0)
+    rng = np.random.default_rng(0)
+    _cycles(arms, rng, 4 * 5, 4, 0.8, 1.0)  # 5 drafting cycles: too few
+    assert arms.cycles(8, True) < arms.min_cycles and arms.verdict(8) == 0
+    _cycles(arms, rng, 4 * 20, 4, 0.8, 1.0)
+    assert arms.verdict(8) == -1 and arms.verdict(16) == 0  # per knot
+    no_draft, drafting = arms.rates(8)
+    assert drafting / no_draft == pytest.approx(0.8, rel=0.1)
+    wrong = found = 0
+    for seed in range(100):
+        equal, lossy = ArmRates([1, 8]), ArmRates([1, 8])
+        _cycles(equal, np.random.default_rng(seed), 200, 4, 1.0, 1.0)
+        _cycles(lossy, np.random.default_rng(1000 + seed), 200, 4, 0.8, 1.0)
+        wrong += equal.verdict(8) != 0
+        found += lossy.verdict(8) == -1
+    assert wrong <= 12 and found >= 95, (wrong, found)
+    gain = ArmRates([8])
+    _cycles(gain, np.random.default_rng(3), 200, 2, 1.5, 1.0)
+    assert gain.verdict(8) == 1
+
+
+def test_an_arm_that_stops_running_loses_its_verdict():
+    """Only no-draft cycles after a verdict: the drafting arm's evidence fades below
+    min_cycles within memory * stale_factor * ln(cycles / min_cycles) + 1 cycles, and the
+    verdict goes back to 0 (the controller then probes again)."""
+    arms = ArmRates([8], memory=32, min_cycles=6, stale_factor=4)
+    _cycles(arms, np.random.default_rng(0), 200, 2, 0.8, 1.0)
+    assert arms.verdict(8) == -1
+    weight = arms.cycles(8, True)
+    fades_after = math.ceil(32 * 4 * math.log(weight / 6)) + 1
+    for i in range(fades_after):
+        if i == fades_after - 5:
+            assert arms.verdict(8) == -1  # still held: it fades slowly
+        arms.observe(8, False, 8e-3, 8.0)
+    assert arms.cycles(8, True) < 6 and arms.verdict(8) == 0
+
+
+def test_close_curves_probe_the_other_arm_and_the_measured_arms_decide():
+    """The curves say drafting pays a little at 8 requests (within probe_margin): about
+    probe_probability of the decisions do not draft, reason PROBE (a drafting probe would
+    keep the plan's budgets: no random extras). Measured cycles then show drafting
+    delivering 20% fewer tokens per second: the plan is no draft, whatever the curves say,
+    and probing stops while the verdict holds. A plan of no draft is never probed."""
+    c, ids, kinds = _controller_drafting_at_8(slope=0.3)
+    first = c.plan(ids, kinds)
+    assert first.q > 0 and first.reason == OPTIMAL
+    entry = c._cache[8]
+    assert entry.probe and entry.other_q == 0 and entry.verdict == 0
+    reasons = [c.plan(ids, kinds) for _ in range(800)]
+    probes = [p for p in reasons if p.reason == PROBE]
+    assert all(p.q == 0 for p in probes)
+    assert len(probes) / len(reasons) == pytest.approx(c.probe_probability, abs=0.03)
+    survival = np.tile(np.cumprod(np.full(first.q, 0.6)), (8, 1))
+    optimal = c.budgets(Plan(first.q, OPTIMAL), survival, 1e-3)
+    assert np.array_equal(c.budgets(Plan(first.q, PROBE), survival, 1e-3), optimal)
+    rng = np.random.default_rng(0)
+    _cycles(c.arms, rng, 120, 2, 0.8, 1.0)
+    assert c.arms.verdict(8) == -1
+    after = [c.plan(ids, kinds) for _ in range(200)]
+    assert all(p.q == 0 for p in after if p.reason == OPTIMAL)
+    assert not any(p.reason == PROBE for p in after)  # and a plan of no draft is never probed:
+    c.arms = ArmRates(c._knots)  # (forgotten: no verdict) curves that put not drafting a little ahead
+    c.step_cost = type(c.step_cost)(K + 1, 64)
+    for t in range(1, K + 2):
+        for _ in range(3):
+            c.step_cost.observe(8, t, 1e-3 * (1 + 0.6 * (t - 1)))
+    c._cache.clear()
+    plans = [c.plan(ids, kinds) for _ in range(300)]
+    assert all(p.q == 0 and p.reason == OPTIMAL for p in plans) and not c._cache[8].probe
+
+
+def test_curves_far_apart_do_not_probe():
+    """Where the curves see drafting far ahead (free verification, high acceptance), no
+    decision is spent on the no-draft arm; a measured verdict still applies when it exists."""
+    c = BudgetController(K, 64, seed=0, max_explore_probability=0.0)
+    for t in range(1, K + 2):
+        for _ in range(3):
+            c.step_cost.observe(1, t, 1e-3)
+            c.draft_cost.observe(1, t, 1e-4)
+    c._warmup_done[c._warmup_key(1)] = c.warmup_steps
+    c._warmup_total += c.warmup_steps
+    c.prior.record(["a"], np.full(1, GREEDY), np.cumprod(np.full(K, 0.9))[None, :])
+    plans = [c.plan(["a"], np.full(1, GREEDY)) for _ in range(300)]
+    assert all(p.reason == OPTIMAL and p.q > 0 for p in plans)
+    assert not c._cache[1].probe

@@ -21,6 +21,11 @@ The curves' seconds for drafting and for not drafting are each scaled by
 how long cycles of that kind really took per token against their forecast,
 per batch size (`realized`; a drafting cycle's tokens against those its
 budgets expected): what the fits cannot see still reaches the decision.
+Where the measured tokens per second of drafting and not drafting differ
+beyond their noise (`realized.ArmRates`), that verdict decides between
+drafting and not; while the plan is to draft, the curves see drafting ahead
+by less than `probe_margin` and the measurements cannot yet tell, a
+`probe_probability` share of decisions does not draft (a probe).
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
@@ -36,6 +41,7 @@ predicted time. Decisions are deterministic for a seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,9 +50,9 @@ import numpy as np
 
 from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
 from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
-from vllm_dflash.adaptive.realized import RealizedRatio
+from vllm_dflash.adaptive.realized import ArmRates, RealizedRatio
 
-OPTIMAL, WARMUP, EXPLORE, FORCED = "optimal", "warmup", "explore", "forced"
+OPTIMAL, WARMUP, EXPLORE, PROBE, FORCED = "optimal", "warmup", "explore", "probe", "forced"
 
 
 class _CachedPlan(NamedTuple):
@@ -61,6 +67,9 @@ class _CachedPlan(NamedTuple):
     factors: tuple[float, float]  # the realised/forecast seconds-per-token factors the plan used
     interval: int  # decisions until the next replan
     req_ids: list[str]  # the requests it was made for
+    verdict: int  # the measured arms' verdict it followed (`ArmRates.verdict`)
+    other_q: int  # the q of the arm it did not pick (0, or the best drafting q)
+    probe: bool  # the curves see the arms close and the measured arms cannot yet tell
 
 
 @dataclass
@@ -96,7 +105,8 @@ class BudgetController:
 
     def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
-                 per_request_prior: bool = True, refresh_steps: int = 16):
+                 per_request_prior: bool = True, refresh_steps: int = 16, probe_margin: float = 0.2,
+                 probe_probability: float = 0.125):
         if max_k < 1:
             raise ValueError(f"max_k={max_k} must be >= 1")
         self.max_k = max_k
@@ -111,12 +121,14 @@ class BudgetController:
         self.max_explore_probability = max_explore_probability
         self.per_request_prior = per_request_prior
         self.refresh_steps = refresh_steps
+        self.probe_margin, self.probe_probability = probe_margin, probe_probability
         self._warmup_done: dict[int, int] = {}
         self._warmup_total = 0
         self._knots = self.step_cost.r_knots.tolist()
         self.realized = RealizedRatio(self._knots)
+        self.arms = ArmRates(self._knots)
         self._decisions = 0
-        self._explore_next = False  # coasting() drew this step's exploration; plan() carries it out
+        self._explore_next: str | None = None  # EXPLORE / PROBE drawn by coasting(); plan() carries it out
         # request ids -> [R] logit shifts of their acceptance (AdaptiveSpeculation's RequestOffsets)
         self.request_shifts: Callable[[list[str]], np.ndarray] | None = None
         self._cache: dict[int, _CachedPlan] = {}  # per batch size
@@ -167,8 +179,11 @@ class BudgetController:
             return Plan(q, WARMUP)
         step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)
         plan = Plan(q, OPTIMAL)
-        explore_now, self._explore_next = self._explore_next, False
-        if explore_now or self.rng.random() < self._explore_probability(seconds, full_seconds):
+        explore_now, self._explore_next = self._explore_next, None
+        entry = self._cache[requests]
+        if explore_now == PROBE or (explore_now is None and entry.probe and self.rng.random() < self.probe_probability):
+            return Plan(entry.other_q, PROBE)
+        if explore_now == EXPLORE or self.rng.random() < self._explore_probability(seconds, full_seconds):
             # Both ways: longer blocks than planned, or (half the time, while drafting) none, so
             # a cost model that overrates the no-draft step is corrected too.
             if q > 0 and (q == self.max_k or self.rng.random() < 0.5):
@@ -191,10 +206,14 @@ class BudgetController:
         requests = len(req_ids)
         entry = self._cache.get(requests)
         if (entry is None or entry.q != 0 or self._stale(entry, req_ids, 1)
-                or self._factors_moved(entry.factors, self.realized.factors(requests))):
+                or self._factors_moved(entry.factors, self.realized.factors(requests))
+                or self.arms.verdict(requests) != entry.verdict):
+            return False
+        if entry.probe and self.rng.random() < self.probe_probability:
+            self._explore_next = PROBE
             return False
         if self.rng.random() < self._explore_probability(entry.seconds, entry.full_seconds):
-            self._explore_next = True
+            self._explore_next = EXPLORE
             return False
         self._decisions += 1
         return True
@@ -210,16 +229,26 @@ class BudgetController:
         self._decisions += 1
         entry = self._cache.get(requests)
         factors = self.realized.factors(requests)
-        moved = entry is not None and self._factors_moved(entry.factors, factors)
+        verdict = self.arms.verdict(requests)
+        moved = entry is not None and (self._factors_moved(entry.factors, factors) or verdict != entry.verdict)
         if entry is None or self._stale(entry, req_ids) or moved:
             k = self.max_k
             step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
             draft = self.draft_cost.predict(requests, 1.0 + np.arange(k + 1))
             shifts = None if self.request_shifts is None else self.request_shifts(req_ids)
             prior = self.prior.rows(req_ids, kinds, self.per_request_prior, shifts)
-            values, seconds, full = self.plan_values(prior, requests, step, draft)
+            values, seconds, full, verifies = self.plan_values(prior, requests, step, draft)
             no_draft, drafting = factors
-            q = int(np.argmax(values / np.where(np.arange(len(values)) == 0, no_draft, drafting)))
+            scaled = values / np.where(np.arange(len(values)) == 0, no_draft, drafting)
+            best_draft = 1 + int(np.argmax(scaled[1:]))
+            # The measured arms overrule the curves where they differ beyond their noise.
+            q = best_draft if verdict > 0 else 0 if verdict < 0 else int(np.argmax(scaled))
+            other_q = 0 if q > 0 else best_draft
+            # Only a plan to draft is probed (against not drafting): not drafting is the safe arm, and
+            # at many requests a drafting step costs later steps too (requests fall out of step, so new
+            # prompts land in more steps), which no cycle of its own shows.
+            probe = (verdict == 0 and q > 0 and bool(verifies[best_draft])
+                     and math.log(scaled[best_draft] / scaled[0]) < self.probe_margin)
             # A plan that comes out the same again is trusted for twice as long (up to 4x
             # `refresh_steps`): in a steady regime replanning is most of what a step
             # without drafting costs the controller.
@@ -232,7 +261,8 @@ class BudgetController:
                 # on code: 20-35 of ~120 steps coasting at half the tokens per second of drafting).
                 # A row weighs 1/R in a plan: R x fade_steps bounds the replanning per step.
                 interval = min(interval, max(1, int(self.prior.fade_steps * requests)))
-            entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids)
+            entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids,
+                                verdict, other_q, probe)
             self._cache[requests] = entry
         return entry.step, entry.draft, entry.q, entry.seconds, entry.full_seconds
 
@@ -255,11 +285,12 @@ class BudgetController:
         return any(abs(b / a - 1.0) > tolerance for a, b in zip(then, now))
 
     def plan_values(self, prior: np.ndarray, requests: int, step: np.ndarray | None = None,
-                    draft: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+                    draft: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
         """From prior survival [R, k]: expected tokens per second of drafting
-        q = 0..k (at each q's best B), the predicted cycle seconds there, and
-        the seconds of the costliest cycle (full blocks, all verified), which
-        bounds what an exploring step can cost.
+        q = 0..k (at each q's best B), the predicted cycle seconds there, the
+        seconds of the costliest cycle (full blocks, all verified), which
+        bounds what an exploring step can cost, and whether each q's best B
+        verifies anything.
 
         One sort serves every q: survival falls along a draft, so the best B
         pairs among positions < q are the sorted pairs with position < q."""
@@ -282,7 +313,7 @@ class BudgetController:
         use0 = value0 >= best_value
         values = np.where(use0, value0, best_value)
         seconds = np.where(use0, step[0], step[count[rows, best]]) + draft
-        return values, seconds, float(step[-1] + draft[-1])
+        return values, seconds, float(step[-1] + draft[-1]), ~use0
 
     def forecast_seconds(self, requests: int, q: int, total_budget: int) -> float:
         """The cycle time the curves predict for drafting q and verifying `total_budget`

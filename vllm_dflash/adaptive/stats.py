@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-REASONS = ("optimal", "warmup", "explore", "forced")
+REASONS = ("optimal", "warmup", "explore", "probe", "forced")
 _MAGIC, _VERSION = 0x44464C41, 1.0  # "DFLA"
 _HEADER = 3  # magic, version, k
 
