@@ -121,7 +121,6 @@ class SpeedIndex:
         self.factor = math.exp(self.log_sum / self.weight) if self.weight > 0 else 1.0
 
 
-
 class ArmRates:
     """Per batch-size knot: the output tokens per second that cycles which drafted, and
     cycles which did not, actually delivered; the last word where the curves cannot tell.

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig, get_layers_from_vllm_config
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.model_loader.utils import get_draft_load_config
@@ -31,8 +30,6 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_dflash.serving.draft_resolution import refuse_unsupported_options
-
-logger = init_logger(f"vllm.{__name__}")
 
 DRAFT_MODEL_TAG = "dflash_draft"  # the draft's torch.compile cache lives apart from the target's
 
@@ -129,21 +126,24 @@ class DrafterBase:
         self.eplb_state = eplb_state
 
     # -------------------------------------------------- attention groups --
-    def validate_same_kv_cache_group(self, kv_cache_config: KVCacheConfig) -> None:
-        groups = {gid for gid, group in enumerate(kv_cache_config.kv_cache_groups)
-                  if self.draft_attn_layer_names & set(group.layer_names)}
-        if len(groups) != 1:
+    def _draft_kv_cache_group(self, kv_cache_config: KVCacheConfig):
+        """(id, group) of the one KV cache group holding the draft's attention layers."""
+        found = [(gid, group) for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+                 if self.draft_attn_layer_names & set(group.layer_names)]
+        if len(found) != 1:
             raise ValueError(
-                f"the DFlash draft's attention layers fall in KV cache groups {sorted(groups)}; they must share "
-                "one (one attention metadata serves every draft layer)"
+                f"the DFlash draft's attention layers fall in KV cache groups {[gid for gid, _ in found]}; they "
+                "must share one (one attention metadata serves every draft layer)"
             )
+        return found[0]
+
+    def validate_same_kv_cache_group(self, kv_cache_config: KVCacheConfig) -> None:
+        self._draft_kv_cache_group(kv_cache_config)
 
     def initialize_attn_backend(self, kv_cache_config: KVCacheConfig,
                                 kernel_block_sizes: list[int] | None = None) -> None:
         """One attention group per backend among the draft's layers, in its KV cache group."""
-        self.validate_same_kv_cache_group(kv_cache_config)
-        gid, group = next((gid, group) for gid, group in enumerate(kv_cache_config.kv_cache_groups)
-                          if self.draft_attn_layer_names & set(group.layer_names))
+        gid, group = self._draft_kv_cache_group(kv_cache_config)
         self.kv_cache_gid = gid
         kernel_block_size = None
         if kernel_block_sizes is not None and gid < len(kernel_block_sizes):
@@ -235,6 +235,11 @@ def _valid_samples(sampled, vocab_size: int):
     return (sampled != -1) & (sampled < vocab_size)
 
 
+def _fallback_token(requests: dict, gpu_input_batch, row: int) -> int:
+    """The last token the request of `row` had before this step (what a row without a valid sample takes)."""
+    return requests[gpu_input_batch.req_ids[row]].get_token_id(int(gpu_input_batch.num_tokens_no_spec[row]) - 1)
+
+
 def next_tokens_on_host(sampled_token_ids: torch.Tensor, requests: dict, gpu_input_batch,
                         discard_request_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sampled = sampled_token_ids.numpy()  # numpy's per-call cost is a fraction of torch's
@@ -244,18 +249,16 @@ def next_tokens_on_host(sampled_token_ids: torch.Tensor, requests: dict, gpu_inp
     last = width - 1 - np.argmax(valid[:, ::-1], axis=1)  # last valid column (any column if none)
     next_token_ids = sampled[np.arange(batch_size), last].astype(np.int32)
     valid_count[discard_request_mask[:batch_size].numpy()] = 0
-    req_ids, num_tokens = gpu_input_batch.req_ids, gpu_input_batch.num_tokens_no_spec
     for row in np.flatnonzero(valid_count == 0).tolist():  # discarded, or nothing valid
-        next_token_ids[row] = requests[req_ids[row]].get_token_id(int(num_tokens[row]) - 1)
+        next_token_ids[row] = _fallback_token(requests, gpu_input_batch, row)
     return torch.from_numpy(next_token_ids), torch.from_numpy(valid_count)
 
 
 def next_tokens_on_device(sampled_token_ids: torch.Tensor, requests: dict, gpu_input_batch,
                           discard_request_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch_size, width = sampled_token_ids.shape
-    req_ids, num_tokens = gpu_input_batch.req_ids, gpu_input_batch.num_tokens_no_spec
-    fallback = torch.tensor([requests[req_ids[row]].get_token_id(int(num_tokens[row]) - 1)
-                             for row in range(batch_size)], dtype=torch.int32)
+    fallback = torch.tensor([_fallback_token(requests, gpu_input_batch, row) for row in range(batch_size)],
+                            dtype=torch.int32)
     fallback = fallback.to(sampled_token_ids.device, non_blocking=True)
     valid = _valid_samples(sampled_token_ids, gpu_input_batch.vocab_size)
     valid_count = valid.sum(dim=1, dtype=torch.int32).masked_fill(discard_request_mask[:batch_size], 0)
