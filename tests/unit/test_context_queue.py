@@ -84,19 +84,36 @@ def test_max_rows_must_be_positive():
         DeferredContext(0)
 
 
-def test_owned_features_are_held_without_a_copy():
-    """The proposer's own concatenation of the target's hidden states is nobody else's:
-    it is queued as it is (positions and slots, the runner's buffers, are still copied)."""
-    step = rows(2, 0)
+def test_per_layer_blocks_are_held_side_by_side():
+    """The proposer hands the target layers' hidden states as blocks: held, they equal
+    their concatenation, and a block layout that does not fill the row is refused."""
+    step = rows(3, 0, width=6)
+    blocks = ContextRows((step.features[:, :2], step.features[:, 2:]), step.positions, step.slots)
     queue = DeferredContext(max_rows=8)
-    assert queue.hold(step, features_owned=True)
-    assert queue.hold(rows(1, 5, seed=1))
+    assert queue.hold(blocks) and queue.hold(rows(1, 5, seed=1))
     taken = queue.take()
-    assert taken.features[:2].data_ptr() != step.features.data_ptr()  # (concatenated on take)
-    queue = DeferredContext(max_rows=8)
-    queue.hold(step, features_owned=True)
-    held = queue.take()
-    assert held.features is step.features and held.positions is not step.positions
+    assert torch.equal(taken.features, torch.cat([step.features, rows(1, 5, seed=1).features]))
+    assert taken.slots.tolist() == [0, 1, 2, 5]
+    assert queue.hold(blocks)
+    with pytest.raises(ValueError, match="2 feature columns held, the queue's rows have 6"):
+        queue.hold(ContextRows((step.features[:, :2],), step.positions, step.slots))
+
+
+def test_the_queue_reuses_one_buffer():
+    """Held rows live in buffers that double when full and are kept: after the first
+    cycles a hold / take cycle allocates no queue memory (a tensor per held step had
+    fragmented the heap into a page fault per 4 KiB of every step's transient tensors)."""
+    queue = DeferredContext(max_rows=64)
+    for cycle in range(3):
+        for step in range(5):
+            assert queue.hold(rows(4, 4 * step, seed=step))
+        if cycle == 0:
+            buffers = [t.data_ptr() for t in queue._buffers]
+            assert queue.capacity == 32  # 4 -> 8 -> 16 -> 32 rows
+        taken = queue.take(rows(2, 40, seed=9))
+        assert torch.equal(taken.features[:4], rows(4, 0, seed=0).features)
+        assert taken.slots.tolist() == list(range(20)) + [40, 41]
+        assert [t.data_ptr() for t in queue._buffers] == buffers and queue.capacity == 32
 
 
 def test_rows_of_finished_requests_are_dropped_and_the_live_cache_is_unchanged():

@@ -53,7 +53,7 @@ from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confid
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
-from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, max_held_rows
+from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, joined, max_held_rows
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 from vllm_dflash.serving.drafter_base import DrafterBase
@@ -277,15 +277,15 @@ class DFlashProposer(DrafterBase):
             conf = tuple(c.view(batch_size, q) for c in conf)
         return self.last_draft_block, conf
 
-    def _write_context(self, rows: ContextRows, hold: bool, features_owned: bool = False,
-                       owners: list[str] | None = None) -> None:
+    def _write_context(self, rows: ContextRows, hold: bool, owners: list[str] | None = None) -> None:
         """Write the context K/V of `rows` now, with whatever steps without drafting
         queued before (`serving.context_queue`: rows of requests finished meanwhile are
         dropped where nothing can read them); or, with `hold` (this step drafts nothing),
         queue them while the queue has room (`owners`: each row's request id)."""
-        if hold and self.deferred_context.hold(rows, features_owned, owners):
+        if hold and self.deferred_context.hold(rows, owners):
             return
         if not self.deferred_context.rows:
+            rows = joined(rows)
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
             return
         t0 = time.perf_counter()
@@ -336,10 +336,9 @@ class DFlashProposer(DrafterBase):
         if q > 0:
             self._planned_q = q
             return None
-        features = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)  # a new tensor: held as it is
+        features = tuple(h[:num_tokens] for h in aux_hidden_states)  # copied side by side into the queue
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
-        self._write_context(rows, hold=True, features_owned=True,
-                            owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
+        self._write_context(rows, hold=True, owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
         self.last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         return self._finish_adaptive(self.last_draft_block, None)
