@@ -180,6 +180,31 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     assert p._held_context_seconds == pytest.approx(2e-3)
 
 
+def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
+    """A step without drafting hands its rows as per-layer blocks; when the queue is full
+    they are written at once, after the held rows, as one batch."""
+    from vllm_dflash.serving import proposer as proposer_module
+
+    written = []
+
+    class Model:
+        def store_context_kv(self, features, positions, slots):
+            written.append((features.clone(), slots.clone()))
+
+    p = object.__new__(proposer_module.DFlashProposer)
+    p.model, p.deferred_context = Model(), DeferredContext(max_rows=4)
+    p.runner = SimpleNamespace(requests={"live": object()})
+    p._drop_finished_context, p._held_context_seconds = True, 0.0
+    held, step = rows(3, 0, seed=1), rows(2, 3, seed=2)
+    as_blocks = lambda r: r._replace(features=(r.features[:, :4], r.features[:, 4:]))  # noqa: E731
+    p._write_context(as_blocks(held), hold=True, owners=["live"] * 3)
+    assert not written and p.deferred_context.rows == 3
+    p._write_context(as_blocks(step), hold=True, owners=["live"] * 2)  # 5 > 4 rows: written now
+    (features, slots), = written
+    assert torch.equal(features, torch.cat([held.features, step.features])) and slots.tolist() == [0, 1, 2, 3, 4]
+    assert p.deferred_context.rows == 0
+
+
 def test_held_rows_on_the_host_fill_a_memory_budget_and_on_a_device_one_step():
     """In host memory the queue may hold HOST_BYTES of features (most rows then belong to
     requests that finish first and are never written); on an accelerator, one step's
@@ -187,7 +212,7 @@ def test_held_rows_on_the_host_fill_a_memory_budget_and_on_a_device_one_step():
     from vllm_dflash.serving.context_queue import HOST_BYTES, max_held_rows
 
     row = 5 * 320 * 4  # five target layers of the bundled pair's hidden size, float32
-    assert max_held_rows(4096, row, on_host=True) == HOST_BYTES // row > 4096
+    assert max_held_rows(2048, row, on_host=True) == HOST_BYTES // row > 2048
     assert max_held_rows(4096, row, on_host=False) == 4096
     assert max_held_rows(4096, 5 * 8192 * 2 * 64, on_host=True) == 4096  # huge rows: the budget still holds
     assert max_held_rows(4096, 0, on_host=True) == 4096

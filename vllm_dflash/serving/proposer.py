@@ -289,7 +289,7 @@ class DFlashProposer(DrafterBase):
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
             return
         t0 = time.perf_counter()
-        own = rows.features.shape[0]
+        own = rows.slots.shape[0]
         # runner.requests: every request the runner still holds state for (finished ones are popped
         # at the start of the step, before drafting); preempted ones stay in it.
         live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
