@@ -291,3 +291,36 @@ def test_upper_bounds_give_rarely_verified_positions_the_benefit_of_the_doubt():
     assert gap_learned[0] < 0.2 * gap_fresh[0]  # position 1, verified every step: a tight bound
     assert np.allclose(fresh.apply(raw[None])[0], raw)  # no evidence: the estimate is the raw survival
     assert np.all(fresh.apply(raw[None], optimistic=True)[0] > raw)
+
+
+def test_survival_correction_learns_what_the_cap_takes_back():
+    """Easy rows (truly 0.97 a position, predicted 0.93) and hard ones (truly 0.6,
+    predicted 0.45), half and half, every position verified. The pooled factor at
+    positions 1-2 is ~1.15, and on easy rows the cap at 1 takes it back: without the
+    gain, the survival handed out falls 0.03-0.04 short of the realised there
+    (measured, seed 0). With the gain learned from what was handed out, every position
+    is within 0.02 over the last 4800 rows (standard error of the realised rate <= 0.007)."""
+    from vllm_dflash.adaptive.calibration import SurvivalCorrection
+
+    k = 12
+    pos = np.arange(1, k + 1)
+    raw_rows = np.stack([0.93 ** pos, 0.45 ** pos])
+    truth = np.array([0.97, 0.6])
+    errors = {}
+    for learn_gain in (False, True):
+        rng = np.random.default_rng(0)
+        corr = SurvivalCorrection(k)
+        handed, realised = [], []
+        for r in range(600):
+            kinds = np.arange(16) % 2
+            raw = raw_rows[kinds]
+            applied = corr.apply(raw)
+            accepted = np.minimum(rng.geometric(1 - truth[kinds]) - 1, k)
+            corr.update(raw, np.full(16, k), accepted, applied=applied if learn_gain else None)
+            if r >= 300:
+                handed.append(applied.mean(axis=0))
+                realised.append((pos[None, :] <= accepted[:, None]).mean(axis=0))
+        errors[learn_gain] = np.abs(np.mean(realised, axis=0) - np.mean(handed, axis=0))
+        assert np.all(np.diff(corr.apply(raw_rows), axis=1) <= 0) and corr.apply(raw_rows).max() <= 1.0
+    assert errors[False].max() > 0.025, errors[False]
+    assert errors[True].max() < 0.02, errors[True]

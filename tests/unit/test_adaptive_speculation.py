@@ -111,11 +111,11 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
         now += 0.01
         if spec.coast(now, list(ids), 2):
             coasted += 1
-            spec.choose(now + 0.001, np.zeros((2, 0)), np.zeros((2, 0)))
-            spec.end(now + 0.002)
+            spec.end_coast(now + 0.002)
         else:
             step(spec, now, ids, [0, 0], [0, 0], 2)
     assert coasted >= 9  # all but (at most) a replan
+    spec.fold_coasting()
     assert c.step_cost.observations - before[0] == 10 and c.draft_cost.observations - before[1] == 10
     assert spec.stats.snapshot()["query_hist"][0] == 11 and spec.stats.snapshot()["budget_hist"][0] == 22
     assert not spec.coast(now + 0.01, ["a", "c"], 2)  # another batch
@@ -179,3 +179,95 @@ def test_budgets_are_chosen_on_upper_bounds_and_the_estimate_is_what_is_recorded
     assert rows.size
     expected = sum(handed[r, :chosen[r]].sum() for r in rows)
     assert spec._step.expected_accepted == pytest.approx(expected)
+
+
+def _coasting_spec(**kwargs):
+    """Two requests whose plan is no draft (verification dear), warmed up."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, **kwargs)
+    for t in range(1, K + 2):
+        spec.controller.step_cost.observe(2, t, 8e-3 * t)
+        spec.controller.draft_cost.observe(2, t, 2e-3 * t)
+    plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2)
+    assert plan.q == 0
+    return spec
+
+
+def test_a_coasting_run_is_folded_as_its_steps_ran():
+    """Coasting steps are logged and folded later in one loop: the samples are the steps'
+    own (E(R, 1): from the last step's end to this step's start; D(R, 1): the step's own
+    span less the time spent on earlier steps' context), in order, and folding happens
+    before any other step, so a step that plans sees every coasted step."""
+    spec = _coasting_spec(max_explore_probability=0.0)
+    c = spec.controller
+    seen = []
+    step_observe, draft_observe = c.step_cost.observe, c.draft_cost.observe
+    c.step_cost.observe = lambda r, t, s: (seen.append(("E", r, t, round(s * spec.speed.factor, 6))),
+                                           step_observe(r, t, s))
+    c.draft_cost.observe = lambda r, t, s: (seen.append(("D", r, t, round(s * spec.speed.factor, 6))),
+                                            draft_observe(r, t, s))
+    ends, now = [0.002], 0.0
+    for i in range(5):
+        now = ends[-1] + 0.008 + 0.001 * i  # the step outside drafting: 8, 9, ... ms
+        assert spec.coast(now, ["a", "b"], 2)
+        ends.append(now + 0.0005)
+        spec.end_coast(ends[-1], not_drafting=0.0002 if i == 3 else 0.0)
+    assert seen == []  # nothing sampled while the run is open
+    assert spec.stats.snapshot()["query_hist"][0] == 1  # nor counted
+    # Another batch: the run is folded first, then this step plans as usual.
+    step(spec, ends[-1] + 0.008, ["a", "b", "c"], [0, 0, 0], [0, 0, 0], 3)
+    want = []
+    for i in range(5):
+        want += [("E", 2, 1.0, round(0.008 + 0.001 * i, 6)), ("D", 2, 1, round(0.0005 - (0.0002 if i == 3 else 0), 6))]
+    assert seen[:10] == want
+    s = spec.stats.snapshot()
+    assert s["query_hist"][0] == 1 + 5 + 1  # the first step, the run, the 3-request step
+    assert s["budget_hist"][0] == 2 + 5 * 2 + 3
+    spec.fold_coasting()  # a fold with nothing logged changes nothing
+    assert spec.stats.snapshot() == s
+
+
+def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
+    spec = _coasting_spec(max_explore_probability=0.0)
+    assert spec.coast(0.01, ["a", "b"], 2)
+    spec.end_coast(0.011)
+    assert spec.coast(0.02, ["a", "b"], 2)  # inside the run: the fast check
+    spec.end_coast(0.021)
+    assert not spec.coast(0.03, ["b", "a"], 2)  # rows moved
+    assert spec.stats.snapshot()["query_hist"][0] == 3  # the run was folded on the way out
+    now = 0.03
+    for _ in range(spec.controller.refresh_steps):  # planned until the plan is this batch's own
+        step(spec, now, ["b", "a"], [0, 0], [0, 0], 2)
+        now += 0.01
+        if spec.coast(now, ["b", "a"], 2):
+            break
+    else:
+        raise AssertionError("the swapped batch never coasted")
+    spec.end_coast(now + 0.001)
+    assert not spec.coast(now + 0.01, ["b", "a"], 7)  # a prompt chunk in the step
+
+
+def test_coasting_runs_still_explore_at_the_planned_rate():
+    """The per-step chance of a probe or exploration is drawn once per run (geometric):
+    over many steps the share of coasting steps that stop to explore matches the
+    per-step probability. 4000 steps at p = 0.05: the count's standard deviation is
+    ~14 on a mean of ~200; the bounds are 5 standard deviations wide."""
+    spec = _coasting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
+    c = spec.controller
+    entry = c._cache[2]
+    p = c._explore_probability(entry.seconds, entry.full_seconds)
+    assert p == pytest.approx(0.05)
+    now, stops, steps = 0.002, 0, 4000
+    for _ in range(steps):
+        now += 0.01
+        if spec.coast(now, ["a", "b"], 2):
+            spec.end_coast(now + 0.0005)
+            continue
+        stops += 1
+        spec.begin(now, ["a", "b"], np.zeros(2), np.zeros(2), 2, np.ones(2, dtype=bool), np.ones(2, dtype=bool))
+        spec.choose(now + 0.0002, np.zeros((2, 0)), np.zeros((2, 0)))
+        spec.end(now + 0.0005)
+    # Stops: explorations, and replans when a plan goes stale (optimal steps).
+    explored = spec.stats.snapshot()["steps"]["explore"]
+    assert explored <= stops
+    mean, sd = steps * p, (steps * p * (1 - p)) ** 0.5
+    assert mean - 5 * sd <= explored <= mean + 5 * sd

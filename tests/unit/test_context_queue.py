@@ -116,6 +116,24 @@ def test_the_queue_reuses_one_buffer():
         assert [t.data_ptr() for t in queue._buffers] == buffers and queue.capacity == 32
 
 
+def test_a_prefaulted_queue_is_allocated_whole_at_its_first_hold():
+    """On the host the queue's buffers are allocated at max_rows and touched (zeroed) by the
+    first hold, so no later step grows them; a take of a full queue plus a step's own rows
+    still fits (it grows past max_rows), and what is taken is what was held."""
+    queue = DeferredContext(max_rows=20, prefault=True)
+    assert queue.capacity == 0  # nothing allocated before the first hold
+    assert queue.hold(rows(4, 0, seed=0))
+    buffers = [t.data_ptr() for t in queue._buffers]
+    assert queue.capacity == 20 and torch.count_nonzero(queue._buffers.features[4:]) == 0
+    for step in range(1, 5):
+        assert queue.hold(rows(4, 4 * step, seed=step))
+    assert [t.data_ptr() for t in queue._buffers] == buffers
+    assert not queue.hold(rows(4, 30, seed=7))  # full: 20 rows
+    taken = queue.take(rows(4, 30, seed=7))
+    assert queue.capacity == 40 and taken.slots.tolist() == list(range(20)) + [30, 31, 32, 33]
+    assert torch.equal(taken.features[8:12], rows(4, 8, seed=2).features)
+
+
 def test_rows_of_finished_requests_are_dropped_and_the_live_cache_is_unchanged():
     """Requests a, b, c hold rows; a finishes, and its freed slots go to d. Written with
     live = {b, c, d}, the cache holds what per-step writes leave at every live row's slot,

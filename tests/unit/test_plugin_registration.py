@@ -70,3 +70,25 @@ def test_register_runs_in_vllm_worker(tmp_path, monkeypatch):
         assert registered.get(pid) == vllm_dflash.__version__, (
             f"register() did not run in worker pid {pid}; markers: {registered}"
         )
+
+
+def test_a_step_without_drafts_hands_the_scheduler_nothing():
+    """The take_draft_token_ids patch: the very lists propose_unverified_step returned
+    (all empty) give None, so vLLM's post-step skips the scheduler's per-request update;
+    any other draft lists, even equal ones, go to the scheduler as vLLM hands them."""
+    from types import SimpleNamespace
+
+    vllm_dflash.register()
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    empty = [[], []]
+    runner = SimpleNamespace(num_spec_tokens=15, _draft_token_req_ids=["a", "b"], _draft_token_ids=empty,
+                             input_batch=SimpleNamespace(req_ids=["a", "b"]),
+                             drafter=SimpleNamespace(handed_no_drafts=empty))
+    runner._get_draft_token_ids_cpu = lambda: GPUModelRunner._get_draft_token_ids_cpu(runner)
+    assert GPUModelRunner.take_draft_token_ids(runner) is None
+    runner._draft_token_ids = [[], []]  # equal, but not the lists the proposer handed out as none
+    taken = GPUModelRunner.take_draft_token_ids(runner)
+    assert taken.req_ids == ["a", "b"] and taken.draft_token_ids == [[], []]
+    runner._draft_token_ids, runner.drafter = [[5], []], SimpleNamespace(handed_no_drafts=None)
+    assert GPUModelRunner.take_draft_token_ids(runner).draft_token_ids == [[5], []]

@@ -128,7 +128,7 @@ class BudgetController:
         self.realized = RealizedRatio(self._knots)
         self.arms = ArmRates(self._knots)
         self._decisions = 0
-        self._explore_next: str | None = None  # EXPLORE / PROBE drawn by coasting(); plan() carries it out
+        self._explore_next: str | None = None  # EXPLORE / PROBE drawn by coasting_run(); plan() carries it out
         # request ids -> [R] logit shifts of their acceptance (AdaptiveSpeculation's RequestOffsets)
         self.request_shifts: Callable[[list[str]], np.ndarray] | None = None
         self._cache: dict[int, _CachedPlan] = {}  # per batch size
@@ -196,27 +196,44 @@ class BudgetController:
         return min(self.max_explore_probability,
                    self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
 
-    def coasting(self, req_ids: list[str]) -> bool:
-        """True: this step of the requests `req_ids` drafts nothing and needs no planning
-        (its batch size's plan is no draft, still fresh, its time factors have not moved,
-        and this step does not explore). The caller then skips everything a plan would
-        need (request kinds, eligibility, priors): on a busy CPU a step without drafting
-        must cost what a step without speculation costs. False: call plan() (which then
-        explores if that is what this step drew)."""
+    def coasting_run(self, req_ids: list[str], most: int) -> int:
+        """How many steps, from this one, the requests `req_ids` may coast: draft nothing
+        and need no planning (their batch size's plan is no draft, its time factors have
+        not moved, and none of those steps is due for a replan or draws exploration), at
+        most `most`. The caller skips everything a plan would need (request kinds,
+        eligibility, priors) for those steps, and reports them with `coasted`; on a busy
+        CPU a step without drafting must cost what a step without speculation costs.
+        0: call plan() now (which then explores if that is what this step drew).
+
+        The per-step draws of a probe or exploration are made once per run: with the
+        same plan every step, the steps until the first one are geometric, and a run
+        that ends before it draws afresh (memoryless), so the chance per step is what
+        drawing every step would give. Steps of an unfinished run are simply fewer."""
+        if self._explore_next is not None:  # drawn by the last run, carried out by plan()
+            return 0
         requests = len(req_ids)
         entry = self._cache.get(requests)
-        if (entry is None or entry.q != 0 or self._stale(entry, req_ids, 1)
+        if (entry is None or entry.q != 0
                 or self._factors_moved(entry.factors, self.realized.factors(requests))
                 or self.arms.verdict(requests) != entry.verdict):
-            return False
-        if entry.probe and self.rng.random() < self.probe_probability:
-            self._explore_next = PROBE
-            return False
-        if self.rng.random() < self._explore_probability(entry.seconds, entry.full_seconds):
-            self._explore_next = EXPLORE
-            return False
-        self._decisions += 1
-        return True
+            return 0
+        limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
+        run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
+        if run <= 0:
+            return 0
+        probe = self.probe_probability if entry.probe else 0.0
+        explore = self._explore_probability(entry.seconds, entry.full_seconds)
+        chance = 1.0 - (1.0 - probe) * (1.0 - explore)
+        if chance > 0.0:
+            calm = int(self.rng.geometric(chance)) - 1  # steps before the first probe or exploration
+            if calm < run:
+                self._explore_next = PROBE if self.rng.random() * chance < probe else EXPLORE
+                run = calm
+        return run
+
+    def coasted(self, steps: int) -> None:
+        """`steps` steps of a run from coasting_run() coasted (decisions, for staleness)."""
+        self._decisions += steps
 
     def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
         """The cost curves at this batch size and the planned q, recomputed every

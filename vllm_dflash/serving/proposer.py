@@ -105,8 +105,9 @@ class DFlashProposer(DrafterBase):
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
         feature_bytes = (len(self.dflash_config.target_layer_ids) * vllm_config.model_config.get_hidden_size()
                          * vllm_config.model_config.dtype.itemsize)
+        on_host = self.device.type == "cpu"
         self.deferred_context = DeferredContext(max_held_rows(
-            vllm_config.scheduler_config.max_num_batched_tokens, feature_bytes, self.device.type == "cpu"))
+            vllm_config.scheduler_config.max_num_batched_tokens, feature_bytes, on_host), prefault=on_host)
         # Held rows of requests that finish before they are written are dropped, unless prefix caching may
         # let a later request read the finished one's blocks (serving.context_queue).
         self._drop_finished_context = not vllm_config.cache_config.enable_prefix_caching
@@ -114,6 +115,10 @@ class DFlashProposer(DrafterBase):
         # _prepare_inputs), except on hybrid targets, whose recurrent layers read per-step draft counts.
         self.plain_steps_without_drafts = not vllm_config.model_config.is_hybrid
         self._planned_q: int | None = None  # set by propose_unverified_step when it leaves drafting to propose()
+        # The draft lists propose_unverified_step last returned, all empty (None: it returned none):
+        # the runner's take_draft_token_ids hands the scheduler nothing for them (patches.serving).
+        self.handed_no_drafts: list[list[int]] | None = None
+        self._no_drafts: dict[int, torch.Tensor] = {}  # batch size -> an empty [B, 0] draft block
         self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %s",
@@ -320,6 +325,7 @@ class DFlashProposer(DrafterBase):
         every step's hidden states for a drafter) and the per-step context write are
         most of what a speculative engine adds to them."""
         self._planned_q = None
+        self.handed_no_drafts = None
         if self.adaptive is None or aux_hidden_states is None:
             return None
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len > 0:
@@ -329,19 +335,28 @@ class DFlashProposer(DrafterBase):
         # under tensor parallelism the ranks must agree on q through a collective.
         t0 = self._step_clock()
         req_ids = self.runner.input_batch.req_ids[:batch_size]
-        if self._tp_size == 1 and self.adaptive.coast(t0, req_ids, num_tokens):
-            q = 0
-        else:
+        coasting = self._tp_size == 1 and self.adaptive.coast(t0, req_ids, num_tokens)
+        if not coasting:
             q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True, t0=t0)
-        if q > 0:
-            self._planned_q = q
-            return None
+            if q > 0:
+                self._planned_q = q
+                return None
         features = tuple(h[:num_tokens] for h in aux_hidden_states)  # copied side by side into the queue
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
         self._write_context(rows, hold=True, owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
         self.last_draft_probs = None
-        self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
-        return self._finish_adaptive(self.last_draft_block, None)
+        self.last_draft_block = self._no_drafts.get(batch_size)
+        if self.last_draft_block is None:
+            self.last_draft_block = self._no_drafts[batch_size] = torch.empty(batch_size, 0, dtype=torch.int64,
+                                                                              device=self.device)
+        if coasting:
+            self.adaptive.end_coast(time.perf_counter(), not_drafting=self._held_context_seconds)
+            self._held_context_seconds = 0.0
+            drafts = [[] for _ in range(batch_size)]
+        else:
+            drafts = self._finish_adaptive(self.last_draft_block, None)
+        self.handed_no_drafts = drafts  # every list empty: the scheduler has nothing to take
+        return drafts
 
     @staticmethod
     def _row_owners(req_ids: list[str], num_tokens: int, cad: CommonAttentionMetadata) -> list[str]:
