@@ -12,10 +12,11 @@ def test_counters_and_calibration_rows():
     s = st.AdaptiveStats(4)
     s.record_step(4, np.array([0, 4, 2]), "optimal")
     s.record_step(0, np.array([0, 0, 0]), "warmup")
+    s.record_step(0, 5, "optimal")  # a coasting step: five requests, no budgets
     s.record_outcomes(np.array([[0.9, 0.5, 0.0, 0.0], [0.8, 0.6, 0.4, 0.2]]), np.array([2, 4]), np.array([1, 3]))
     snap = s.snapshot()
-    assert snap["steps"] == {"optimal": 1, "warmup": 1, "explore": 0, "probe": 0, "forced": 0}
-    assert snap["query_hist"] == [1, 0, 0, 0, 1] and snap["budget_hist"] == [4, 0, 1, 0, 1]
+    assert snap["steps"] == {"optimal": 2, "warmup": 1, "explore": 0, "probe": 0, "forced": 0}
+    assert snap["query_hist"] == [2, 0, 0, 0, 1] and snap["budget_hist"] == [9, 0, 1, 0, 1]
     assert snap["verified_per_pos"] == [2, 2, 1, 1] and snap["accepted_per_pos"] == [2, 1, 1, 0]
     rows = st.calibration(snap)
     assert rows[0] == {"position": 1, "verified": 2, "predicted": pytest.approx(0.85), "realised": 1.0}

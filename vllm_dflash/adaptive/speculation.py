@@ -32,6 +32,9 @@ from vllm_dflash.adaptive.controller import EXPLORE, OPTIMAL, PROBE, BudgetContr
 from vllm_dflash.adaptive.realized import SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
+# Learning waits for LEARN_ROWS queued rows, drafts and outcomes (or 4 x learn_every steps): at one
+# request, learning every 4 steps cost ~0.1 ms a step (0.4 ms a call, float32, bundled pair).
+LEARN_ROWS = 16
 COAST_RUN = 16  # coasting steps logged before they are folded in (at most: a changed batch folds at once)
 
 
@@ -72,7 +75,8 @@ def _stack_padded(arrays: list[np.ndarray], width: int) -> np.ndarray:
 
 class AdaptiveSpeculation:
     """See the module docstring. Learning (the acceptance model, request shifts,
-    survival prior) is folded in every `learn_every` steps in one batch: the
+    survival prior) is folded in every `learn_every` steps (with at least
+    `LEARN_ROWS` outcomes queued, or after 4x as many steps) in one batch: the
     models move slowly, and a step's own bookkeeping must stay cheap; the
     statistics are counted every step."""
 
@@ -91,6 +95,7 @@ class AdaptiveSpeculation:
         self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted, raw, survival)
         self._drafted: list[tuple] = []  # (req_ids, kinds, survival), queued for the prior
         self._steps_since_learning = 0
+        self._queued_rows = 0  # drafted rows and verified outcomes queued for learn()
         self._prev_req_ids: set[str] = set()
         self._prev_req_list: list[str] = []
         self._coast_log: list[tuple[float, float, float]] = []  # (start, end, not drafting) of coasted steps
@@ -157,14 +162,15 @@ class AdaptiveSpeculation:
         return True
 
     def end_coast(self, now: float, not_drafting: float = 0.0) -> None:
-        """end() of a step coast() took: logged for `fold_coasting`."""
+        """end() of a step coast() took: counted in the statistics now (metrics and bench
+        cells read them while the engine idles), its time samples logged for `fold_coasting`."""
+        self.stats.record_step(0, len(self._prev_req_list), OPTIMAL)
         self._coast_log.append((self._coast_start, now, not_drafting))
 
     def fold_coasting(self) -> None:
         """The logged coasting steps, in order, as begin(), choose() and end() would have
         taken them one by one: step-time samples E(R, 1) and D(R, 1), the cycles' realised
-        time and tokens, statistics. Called before any other step, and by whoever reads
-        the statistics (a run's last steps wait for the next step otherwise)."""
+        time and tokens. Called before any other step (a run's last steps wait for it)."""
         log, self._coast_log = self._coast_log, []
         self._coast_left = 0
         if not log:
@@ -180,7 +186,6 @@ class AdaptiveSpeculation:
             self._prev_cycle = (0, *parts, drafting / self.speed.factor, 0.0, requests, drafting)
             self._prev_end = end
         controller.coasted(steps)
-        self.stats.record_step(0, np.zeros(requests, dtype=np.int64), OPTIMAL, times=steps)
         controller.prior.forget(req_ids, steps=steps)
         self.offsets.forget(req_ids)
 
@@ -199,7 +204,8 @@ class AdaptiveSpeculation:
         never saw the cycles where drafting lost (measured: 32 requests drafting at
         0.6x the tokens per second of not drafting, for as long as prompts kept coming)."""
         self._steps_since_learning += 1
-        if self._steps_since_learning >= self.learn_every:
+        since = self._steps_since_learning
+        if since >= self.learn_every and (self._queued_rows >= LEARN_ROWS or since >= 4 * self.learn_every):
             self.learn()
         if self._prev_end is None or requests == 0:
             return
@@ -253,10 +259,11 @@ class AdaptiveSpeculation:
         ids = req_ids if ok.all() else [r for r, good in zip(req_ids, ok) if good]
         self._outcomes.append((ids, handed.kinds[rows], handed.feature[rows], handed.shared[rows], verified, accepted,
                                handed.raw[rows], handed.survival[rows]))
+        self._queued_rows += len(ids)
 
     def learn(self) -> None:
         """Fold the queued outcomes and drafts into the models."""
-        self._steps_since_learning = 0
+        self._steps_since_learning = self._queued_rows = 0
         if self._outcomes:
             queued, self._outcomes = self._outcomes, []
             width = max(q[2].shape[1] for q in queued)
@@ -311,6 +318,7 @@ class AdaptiveSpeculation:
         else:
             self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
                                   survival[st.eligible]))
+        self._queued_rows += len(self._drafted[-1][0])
         self._handed = _Handed(st.req_ids, st.kinds, feature, shared, raw, survival, budgets)
         return budgets
 

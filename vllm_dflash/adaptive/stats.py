@@ -54,15 +54,15 @@ class AdaptiveStats:
         self._vec[:_HEADER] = (_MAGIC, _VERSION, k)
         self._views = {name: self._vec[o:o + n] for name, (o, n) in _layout(k).items()}
 
-    def record_step(self, q: int, budgets: np.ndarray, reason: str, times: int = 1) -> None:
-        """A step of query length q and these budgets; `times` alike ones with q = 0."""
+    def record_step(self, q: int, budgets: np.ndarray | int, reason: str) -> None:
+        """A step of query length q and these budgets (an int: that many requests budgeted 0)."""
         v = self._views
-        v["steps"][REASONS.index(reason)] += times
-        v["query_hist"][q] += times
-        if budgets.size and q == 0:  # every budget is 0
-            v["budget_hist"][0] += budgets.size * times
-        elif times != 1:
-            raise ValueError(f"record_step: times={times} is for steps without drafting (q=0), not q={q}")
+        v["steps"][REASONS.index(reason)] += 1
+        v["query_hist"][q] += 1
+        if type(budgets) is int:
+            v["budget_hist"][0] += budgets
+        elif budgets.size and q == 0:  # every budget is 0
+            v["budget_hist"][0] += budgets.size
         elif budgets.size:
             v["budget_hist"] += np.bincount(np.asarray(budgets, dtype=np.int64), minlength=self.k + 1)[: self.k + 1]
 

@@ -431,14 +431,16 @@ class DFlashProposer(DrafterBase):
         before vLLM's bookkeeping appends them."""
         k = self.num_speculative_tokens
         requests = self.runner.requests
-        useful = np.full(len(req_ids), k, dtype=np.int64)
-        for row, req_id in enumerate(req_ids):
+        useful = []  # Python ints: this runs every drafting step, where each numpy call counts
+        for req_id, done in zip(req_ids, accepted.tolist()):
             state = requests.get(req_id)
             params = None if state is None else state.sampling_params
-            if params is not None and params.max_tokens is not None:
-                left = params.max_tokens - len(state.output_token_ids) - 1 - int(accepted[row])
-                useful[row] = left - 1
-        return np.clip(useful, 0, k)
+            if params is None or params.max_tokens is None:
+                useful.append(k)
+            else:
+                left = params.max_tokens - len(state.output_token_ids) - 1 - done
+                useful.append(min(max(left - 1, 0), k))
+        return np.array(useful, dtype=np.int64)
 
     def _step_clock(self) -> float:
         """Now, once the step's device work is done: it belongs to the step, not to the draft time."""
