@@ -343,3 +343,22 @@ def test_curves_far_apart_do_not_probe():
     plans = [c.plan(["a"], np.full(1, GREEDY)) for _ in range(300)]
     assert all(p.reason == OPTIMAL and p.q > 0 for p in plans)
     assert not c._cache[1].probe
+
+
+@pytest.mark.parametrize("no_draft_value", [0.0, np.inf, -1.0])
+def test_a_degenerate_no_draft_value_plans_without_a_probe(no_draft_value, monkeypatch):
+    """The probe compares drafting with not drafting on the log of a ratio of values; a
+    value of 0, inf or below 0 (a degenerate curve) had raised `math domain error` in a
+    serving step under load and killed the engine. Now it plans, and does not probe."""
+    c, ids, kinds = _controller_drafting_at_8(refresh_steps=1)
+    plan_values = c.plan_values
+
+    def degenerate(*args, **kwargs):
+        values, seconds, full, verifies = plan_values(*args, **kwargs)
+        values = values.copy()
+        values[0] = no_draft_value
+        return values, seconds, full, verifies
+
+    monkeypatch.setattr(c, "plan_values", degenerate)
+    plan = c.plan(ids, kinds)
+    assert plan.reason == OPTIMAL and not c._cache[8].probe

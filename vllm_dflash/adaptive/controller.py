@@ -264,8 +264,11 @@ class BudgetController:
             # Only a plan to draft is probed (against not drafting): not drafting is the safe arm, and
             # at many requests a drafting step costs later steps too (requests fall out of step, so new
             # prompts land in more steps), which no cycle of its own shows.
+            # (A ratio that is not a positive number, from a degenerate curve, is no case for a probe:
+            # math.log of it had raised in a serving step under load.)
+            ratio = float(scaled[best_draft] / scaled[0]) if scaled[0] > 0 else math.inf
             probe = (verdict == 0 and q > 0 and bool(verifies[best_draft])
-                     and math.log(scaled[best_draft] / scaled[0]) < self.probe_margin)
+                     and 0.0 < ratio < math.exp(self.probe_margin))
             # A plan that comes out the same again is trusted for twice as long (up to 4x
             # `refresh_steps`): in a steady regime replanning is most of what a step
             # without drafting costs the controller.
