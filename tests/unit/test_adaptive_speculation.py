@@ -111,7 +111,7 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
         now += 0.01
         if spec.coast(now, list(ids), 2):
             coasted += 1
-            spec.end_coast(now + 0.002)
+            spec.end_coast(now, now + 0.002)
         else:
             step(spec, now, ids, [0, 0], [0, 0], 2)
     assert coasted >= 9  # all but (at most) a replan
@@ -210,7 +210,7 @@ def test_a_coasting_run_is_folded_as_its_steps_ran():
         now = ends[-1] + 0.008 + 0.001 * i  # the step outside drafting: 8, 9, ... ms
         assert spec.coast(now, ["a", "b"], 2)
         ends.append(now + 0.0005)
-        spec.end_coast(ends[-1], not_drafting=0.0002 if i == 3 else 0.0)
+        spec.end_coast(now, ends[-1], not_drafting=0.0002 if i == 3 else 0.0)
     assert seen == []  # nothing sampled while the run is open ...
     assert spec.stats.snapshot()["query_hist"][0] == 1 + 5  # ... but every step counted at once
     # Another batch: the run is folded first, then this step plans as usual.
@@ -229,9 +229,9 @@ def test_a_coasting_run_is_folded_as_its_steps_ran():
 def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
     spec = _coasting_spec(max_explore_probability=0.0)
     assert spec.coast(0.01, ["a", "b"], 2)
-    spec.end_coast(0.011)
+    spec.end_coast(0.01, 0.011)
     assert spec.coast(0.02, ["a", "b"], 2)  # inside the run: the fast check
-    spec.end_coast(0.021)
+    spec.end_coast(0.02, 0.021)
     folded = spec.controller.draft_cost.observations
     assert not spec.coast(0.03, ["b", "a"], 2)  # rows moved
     assert spec.controller.draft_cost.observations == folded + 2  # the run was folded on the way out
@@ -243,7 +243,7 @@ def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
             break
     else:
         raise AssertionError("the swapped batch never coasted")
-    spec.end_coast(now + 0.001)
+    spec.end_coast(now, now + 0.001)
     assert not spec.coast(now + 0.01, ["b", "a"], 7)  # a prompt chunk in the step
 
 
@@ -261,7 +261,7 @@ def test_coasting_runs_still_explore_at_the_planned_rate():
     for _ in range(steps):
         now += 0.01
         if spec.coast(now, ["a", "b"], 2):
-            spec.end_coast(now + 0.0005)
+            spec.end_coast(now, now + 0.0005)
             continue
         stops += 1
         spec.begin(now, ["a", "b"], np.zeros(2), np.zeros(2), 2, np.ones(2, dtype=bool), np.ones(2, dtype=bool))

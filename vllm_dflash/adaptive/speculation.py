@@ -100,7 +100,6 @@ class AdaptiveSpeculation:
         self._prev_req_list: list[str] = []
         self._coast_log: list[tuple[float, float, float]] = []  # (start, end, not drafting) of coasted steps
         self._coast_left = 0  # further steps the open coasting run may take
-        self._coast_start = 0.0
         self._prev_end: float | None = None
         # (q, forecast drafting and step seconds, drafting seconds in the speed index's units, expected
         # accepted drafts, requests, drafting seconds as measured) of the last call
@@ -148,7 +147,6 @@ class AdaptiveSpeculation:
         requests = len(req_ids)
         if self._coast_left > 0 and num_tokens == requests and req_ids == self._prev_req_list:
             self._coast_left -= 1
-            self._coast_start = now
             return True
         self.fold_coasting()
         if (self.schedule is not None or self._handed is not None or self._prev_end is None
@@ -158,14 +156,13 @@ class AdaptiveSpeculation:
         if run == 0:
             return False
         self._coast_left = run - 1
-        self._coast_start = now
         return True
 
-    def end_coast(self, now: float, not_drafting: float = 0.0) -> None:
-        """end() of a step coast() took: counted in the statistics now (metrics and bench
-        cells read them while the engine idles), its time samples logged for `fold_coasting`."""
+    def end_coast(self, start: float, now: float, not_drafting: float = 0.0) -> None:
+        """end() of a step coast() took at `start`: counted in the statistics now (metrics and
+        bench cells read them while the engine idles), its time samples logged for `fold_coasting`."""
         self.stats.record_step(0, len(self._prev_req_list), OPTIMAL)
-        self._coast_log.append((self._coast_start, now, not_drafting))
+        self._coast_log.append((start, now, not_drafting))
 
     def fold_coasting(self) -> None:
         """The logged coasting steps, in order, as begin(), choose() and end() would have
@@ -181,10 +178,7 @@ class AdaptiveSpeculation:
         parts = controller.forecast_parts(requests, 0, 0)  # the run's plan: the same every step
         for start, end, not_drafting in log:
             self._learn_and_sample(start, requests, requests, steady=True, same_or_fewer=True)
-            drafting = max(end - start - not_drafting, 0.0)
-            controller.draft_cost.observe(requests, 1, drafting / self.speed.factor)
-            self._prev_cycle = (0, *parts, drafting / self.speed.factor, 0.0, requests, drafting)
-            self._prev_end = end
+            self._close_cycle(start, end, not_drafting, requests, 0, parts, 0.0)
         controller.coasted(steps)
         controller.prior.forget(req_ids, steps=steps)
         self.offsets.forget(req_ids)
@@ -330,18 +324,25 @@ class AdaptiveSpeculation:
         if st is None:
             return
         requests = len(st.req_ids)
-        drafting = max(now - st.t0 - not_drafting, 0.0)
-        if requests:
-            self.controller.draft_cost.observe(requests, st.plan.q + 1, drafting / self.speed.factor)
         parts = (0.0, 0.0)
         if requests and st.plan.reason in (OPTIMAL, EXPLORE, PROBE):  # forced and warm-up plans: no forecast
             parts = self.controller.forecast_parts(requests, st.plan.q, int(st.budgets.sum()))
-        self._prev_cycle = (st.plan.q, *parts, drafting / self.speed.factor, st.expected_accepted, requests, drafting)
+        self._close_cycle(st.t0, now, not_drafting, requests, st.plan.q, parts, st.expected_accepted)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)
         self.offsets.forget(st.req_ids)
         if st.req_ids != self._prev_req_list:  # the set is rebuilt only when the batch changed
             self._prev_req_list, self._prev_req_ids = st.req_ids, set(st.req_ids)
-        self._prev_end = now
         self._step = None
+
+    def _close_cycle(self, start: float, end: float, not_drafting: float, requests: int, q: int,
+                     parts: tuple[float, float], expected_accepted: float) -> None:
+        """A call from `start` to `end` (of which `not_drafting` seconds were not drafting)
+        that drafted q positions for `requests` requests: its D(R, q + 1) sample, and the
+        cycle (forecast `parts`, expected accepted drafts) the next step's sample closes."""
+        drafting = max(end - start - not_drafting, 0.0)
+        if requests:
+            self.controller.draft_cost.observe(requests, q + 1, drafting / self.speed.factor)
+        self._prev_cycle = (q, *parts, drafting / self.speed.factor, expected_accepted, requests, drafting)
+        self._prev_end = end

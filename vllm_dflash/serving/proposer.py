@@ -118,7 +118,6 @@ class DFlashProposer(DrafterBase):
         # The draft lists propose_unverified_step last returned, all empty (None: it returned none):
         # the runner's take_draft_token_ids hands the scheduler nothing for them (patches.serving).
         self.handed_no_drafts: list[list[int]] | None = None
-        self._no_drafts: dict[int, torch.Tensor] = {}  # batch size -> an empty [B, 0] draft block
         self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %s",
@@ -345,12 +344,9 @@ class DFlashProposer(DrafterBase):
         rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
         self._write_context(rows, hold=True, owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
         self.last_draft_probs = None
-        self.last_draft_block = self._no_drafts.get(batch_size)
-        if self.last_draft_block is None:
-            self.last_draft_block = self._no_drafts[batch_size] = torch.empty(batch_size, 0, dtype=torch.int64,
-                                                                              device=self.device)
+        self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         if coasting:
-            self.adaptive.end_coast(time.perf_counter(), not_drafting=self._held_context_seconds)
+            self.adaptive.end_coast(t0, time.perf_counter(), not_drafting=self._held_context_seconds)
             self._held_context_seconds = 0.0
             drafts = [[] for _ in range(batch_size)]
         else:
