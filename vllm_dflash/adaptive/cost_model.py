@@ -58,8 +58,9 @@ def nearest_knot(knots: list[float], requests: float) -> int:
 def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) -> np.ndarray:
     """Each y smoothed by a weighted straight-line fit over its neighbours (tricube
     kernel, `bandwidth` in x units, widened 1.5x at a time where the neighbours hold
-    less than 4 observations' worth of weight): a knot measured a few times leans on
-    the well-measured ones around it. Vectorised over knots and bandwidths."""
+    less than 4 observations' worth of weight), kept within those neighbours' values:
+    a knot measured a few times leans on the well-measured ones around it.
+    Vectorised over knots and bandwidths."""
     span = float(x[-1] - x[0]) + 1.0
     widths = [bandwidth]
     while widths[-1] <= span:
@@ -78,7 +79,13 @@ def local_linear(x: np.ndarray, y: np.ndarray, w: np.ndarray, bandwidth: float) 
     var = (k * dx**2).sum(axis=1)
     cov = (k * dx * (y[None, :] - my[:, None])).sum(axis=1)
     slope = np.where(var > 1e-12, cov / np.where(var > 1e-12, var, 1.0), 0.0)
-    return my + slope * (x - mx)
+    # A line fitted to neighbours mostly on one side extrapolates to the knot: at the end
+    # of a noisy row it went below zero (a negative no-draft cost, through the fits that
+    # lean on this row). A smoothed value stays within the values it was fitted from.
+    near = k > 0
+    lowest = np.where(near, y[None, :], np.inf).min(axis=1)
+    highest = np.where(near, y[None, :], -np.inf).max(axis=1)
+    return np.clip(my + slope * (x - mx), lowest, highest)
 
 
 def pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
