@@ -208,6 +208,35 @@ def test_exploration_also_tries_no_draft():
     assert len(explored) > 50 and set(explored) == {0}
 
 
+def test_exploring_a_full_block_plan_is_priced_by_the_output_it_forgoes():
+    """At full blocks an exploring step drafts nothing: it costs the plan's tokens per
+    second it forgoes, not the (zero) extra seconds of longer blocks. One request,
+    verification nearly free, drafts accepted: the plan's value is several times the
+    no-draft value, so an exploring step costs most of a step and explores at
+    explore_time_share / that, well under the cap (priced as longer blocks, it sat at
+    the cap)."""
+    c = controller(lambda r, t: 5e-3 * (1 + 0.01 * (t - 1)), lambda r, t: 1e-3, max_explore_probability=0.05,
+                   explore_time_share=0.01)
+    ids = ["r0"]
+    give_history(c, ids, high_survival())
+    plan = c.plan(ids, np.full(1, GREEDY))
+    entry = c._cache[1]
+    assert entry.q == K and plan.q in (0, K)
+    values = c.plan_values(c.prior.rows(ids, np.full(1, GREEDY)), 1)[0]
+    forgone = 1.0 - values[0] / values[K]
+    assert 0.6 < forgone < 0.9
+    assert c._explore_probability(entry) == pytest.approx(0.01 / forgone, rel=1e-6)
+    # A plan that drafts nothing still prices exploring as the longer blocks' extra seconds.
+    c0 = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.05,
+                    explore_time_share=0.01)
+    ids = [f"r{i}" for i in range(16)]
+    give_history(c0, ids, np.cumprod(np.full(K, 0.3)))
+    c0.plan(ids, np.full(16, GREEDY))
+    e0 = c0._cache[16]
+    assert e0.q == 0
+    assert c0._explore_probability(e0) == pytest.approx(0.01 * e0.seconds / (e0.full_seconds - e0.seconds))
+
+
 def test_a_new_request_is_planned_for_its_own_prior_within_a_few_steps():
     """One request at a time: a plan made for a request whose drafts were rejected (q = 0)
     is redone for the next request, with a strong survival row, after refresh_steps // 4

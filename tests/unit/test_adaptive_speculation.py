@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, Plan
+from vllm_dflash.adaptive import speculation
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
 K = 4
@@ -115,7 +116,7 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
         else:
             step(spec, now, ids, [0, 0], [0, 0], 2)
     assert coasted >= 9  # all but (at most) a replan
-    spec.fold_coasting()
+    spec.fold_runs()
     assert c.step_cost.observations - before[0] == 10 and c.draft_cost.observations - before[1] == 10
     assert spec.stats.snapshot()["query_hist"][0] == 11 and spec.stats.snapshot()["budget_hist"][0] == 22
     assert not spec.coast(now + 0.01, ["a", "c"], 2)  # another batch
@@ -150,10 +151,13 @@ def test_budgets_stop_at_what_a_request_can_still_use():
     assert forced.choose(0.001, np.full((2, plan.q), 0.9), np.full((2, plan.q), 0.9)).tolist() == [K, K]
 
 
-def test_budgets_are_chosen_on_upper_bounds_and_the_estimate_is_what_is_recorded():
+def test_budgets_are_chosen_on_upper_bounds_and_the_estimate_is_what_is_recorded(monkeypatch):
     """The controller's budget choice sees the calibration's upper bounds (higher than the
     estimate where positions were rarely verified); the statistics (predicted vs realised),
-    the survival prior and the expected accepted drafts see the estimate."""
+    the survival prior and the expected accepted drafts see the estimate. (On the numpy
+    path, where the choice is the controller's `budgets`; the few-requests path is held
+    equal to it by test_adaptive_few_requests.)"""
+    monkeypatch.setattr(speculation, "MAX_PAIRS", 0)
     spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0)
     c = spec.controller
     c.step_cost.observe(2, 1.0, 1e-3)
@@ -222,7 +226,7 @@ def test_a_coasting_run_is_folded_as_its_steps_ran():
     s = spec.stats.snapshot()
     assert s["query_hist"][0] == 1 + 5 + 1  # the first step, the run, the 3-request step
     assert s["budget_hist"][0] == 2 + 5 * 2 + 3
-    spec.fold_coasting()  # a fold with nothing logged changes nothing
+    spec.fold_runs()  # a fold with nothing logged changes nothing
     assert spec.stats.snapshot() == s
 
 
@@ -255,7 +259,7 @@ def test_coasting_runs_still_explore_at_the_planned_rate():
     spec = _coasting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
     c = spec.controller
     entry = c._cache[2]
-    p = c._explore_probability(entry.seconds, entry.full_seconds)
+    p = c._explore_probability(entry)
     assert p == pytest.approx(0.05)
     now, stops, steps = 0.002, 0, 4000
     for _ in range(steps):
@@ -270,5 +274,97 @@ def test_coasting_runs_still_explore_at_the_planned_rate():
     # Stops: explorations, and replans when a plan goes stale (optimal steps).
     explored = spec.stats.snapshot()["steps"]["explore"]
     assert explored <= stops
+    mean, sd = steps * p, (steps * p * (1 - p)) ** 0.5
+    assert mean - 5 * sd <= explored <= mean + 5 * sd
+
+
+def _drafting_spec(**kwargs):
+    """Two requests whose plan drafts (verification nearly free, drafts accepted), warmed up."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, **kwargs)
+    for t in range(1, K + 2):
+        spec.controller.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
+        spec.controller.draft_cost.observe(2, t, 1e-3)
+    plan, budgets = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
+    assert plan.q == K and budgets.tolist() == [K, K]
+    return spec
+
+
+def test_a_drafting_run_keeps_the_plan_without_planning_and_folds_its_samples_in_order():
+    """Steady steps on a cached drafting plan take it without planning (no call to the
+    controller's plan); their statistics count at once, and their samples (E(R, t) from
+    the last step's end to this step's start, at t = scheduled tokens / R; D(R, q + 1),
+    the step's span less earlier steps' context) are folded, in order, before the next
+    step that is not part of the run."""
+    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0)
+    c = spec.controller
+    planned, seen = [], []
+    plan_original = c.plan
+    c.plan = lambda req_ids, kinds: planned.append(1) or plan_original(req_ids, kinds)
+    step_observe, draft_observe = c.step_cost.observe, c.draft_cost.observe
+    c.step_cost.observe = lambda r, t, s: (seen.append(("E", r, t, round(s * spec.speed.factor, 6))),
+                                           step_observe(r, t, s))
+    c.draft_cost.observe = lambda r, t, s: (seen.append(("D", r, t, round(s * spec.speed.factor, 6))),
+                                            draft_observe(r, t, s))
+    end, want = 0.002, []
+    for i in range(4):
+        now = end + 0.008 + 0.001 * i
+        plan = spec.begin(now, ["a", "b"], np.array([K, K]), np.array([K, 2]), 2 + 2 * K, np.ones(2, bool),
+                          np.ones(2, bool))
+        assert plan.q == K and plan.reason == OPTIMAL
+        feature = np.full((2, K), 0.99)
+        spec.choose(now + 0.0005, feature, feature)
+        end = now + 0.001
+        spec.end(end, not_drafting=0.0002 if i == 2 else 0.0)
+        want += [("E", 2, 1.0 + K, round(0.008 + 0.001 * i, 6)), ("D", 2, K + 1, round(0.001 - (0.0002 if i == 2 else 0), 6))]
+    assert planned == [] and seen == []  # no plan, no sample while the run is open ...
+    assert spec.stats.snapshot()["query_hist"][K] == 1 + 4  # ... but every step counted at once
+    assert spec.stats.snapshot()["verified_per_pos"][0] == 2 * 4  # and every outcome
+    step(spec, end + 0.008, ["a", "b", "c"], [K, K, 0], [1, 1, 0], 3 + 2 * K)  # another batch: fold, then plan
+    assert planned == [1]
+    assert seen[:8] == want
+
+
+def test_a_drafting_run_ends_with_a_prompt_chunk_an_ineligible_request_or_moved_rows():
+    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0)
+    full = np.array([K, K])
+
+    def begin(now, req_ids=("a", "b"), tokens=2 + 2 * K, eligible=(True, True)):
+        plan = spec.begin(now, list(req_ids), full, full, tokens, np.ones(2, bool), np.array(eligible))
+        in_run = spec._step.in_run
+        feature = np.full((2, plan.q), 0.99)
+        spec.choose(now + 0.0005, feature, feature)
+        spec.end(now + 0.001)
+        return in_run
+
+    assert begin(0.01) and begin(0.02)
+    assert not begin(0.03, tokens=2 + 2 * K + 5)  # a prompt chunk in the step
+    assert begin(0.04)  # a new run
+    assert not begin(0.05, eligible=(True, False))  # a partial prefill: no draft for it
+    assert begin(0.06)
+    assert not begin(0.07, req_ids=("b", "a"))  # rows moved
+
+
+def test_runs_cut_short_still_explore_at_the_planned_rate():
+    """A run draws its probe or exploration once, for a step inside it: a run cut short
+    drops the draw. 3000 steps, every other one a prompt chunk that ends the run at p =
+    0.05 a step: explorations stay within 5 standard deviations of the planned rate.
+    (Kept, the draws had come at the next step: 33% of steps explored.)"""
+    spec = _drafting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
+    c = spec.controller
+    entry = c._cache[2]
+    p = c._explore_probability(entry)
+    assert p == pytest.approx(0.05)
+    before = spec.stats.snapshot()["steps"]["explore"]
+    steps = 3000
+    full = np.array([K, K])
+    for i in range(steps):
+        now = 0.01 * (i + 1)
+        plan = spec.begin(now, ["a", "b"], full, full, 2 + 2 * K + (5 if i % 2 else 0), np.ones(2, bool),
+                          np.ones(2, bool))
+        feature = np.full((2, plan.q), 0.99)
+        budgets = spec.choose(now + 0.0005, feature, feature)
+        spec.end(now + 0.001)
+        full = np.maximum(budgets, 1)  # what the next step verifies (at least one: never a coasting step)
+    explored = spec.stats.snapshot()["steps"]["explore"] - before
     mean, sd = steps * p, (steps * p * (1 - p)) ** 0.5
     assert mean - 5 * sd <= explored <= mean + 5 * sd

@@ -69,6 +69,7 @@ class AcceptanceModel:
         self.accepted = np.zeros(shape)
         self.observed = np.zeros(shape)
         self._tables: tuple[np.ndarray, np.ndarray] | None = None  # see _linear_tables
+        self._table_lists: tuple[list[float], list[float]] | None = None
 
     def bins(self, feature: np.ndarray) -> np.ndarray:
         """Bin index of each confidence value (values outside [0, 1] are clipped)."""
@@ -104,6 +105,13 @@ class AcceptanceModel:
             self._tables = (((self.accepted + s1 * u) / denom).ravel(), (s1 * v / denom).ravel())
         return self._tables
 
+    def table_lists(self) -> tuple[list[float], list[float]]:
+        """`_linear_tables` as Python lists (`few_requests`), made once per update."""
+        if self._table_lists is None:
+            alpha, beta = self._linear_tables()
+            self._table_lists = (alpha.tolist(), beta.tolist())
+        return self._table_lists
+
     def update(self, kinds: np.ndarray, feature: np.ndarray, num_verified: np.ndarray,
                num_accepted: np.ndarray) -> int:
         """Learn from verified drafts: request i's draft had confidences feature[i]
@@ -130,7 +138,7 @@ class AcceptanceModel:
         size = self.observed.size
         self.observed += np.bincount(flat[observed], minlength=size).reshape(self.observed.shape)
         self.accepted += np.bincount(flat[accepted], minlength=size).reshape(self.accepted.shape)
-        self._tables = None
+        self._tables = self._table_lists = None
         return count
 
 
@@ -155,8 +163,10 @@ class RequestOffsets:
         self.information: dict[str, float] = {}
 
     def shifts(self, req_ids: list[str]) -> np.ndarray:
-        return np.array([self.residual.get(r, 0.0) / (self.information.get(r, 0.0) + self.strength)
-                         for r in req_ids])
+        return np.array(self.shift_list(req_ids))
+
+    def shift_list(self, req_ids: list[str]) -> list[float]:
+        return [self.residual.get(r, 0.0) / (self.information.get(r, 0.0) + self.strength) for r in req_ids]
 
     def apply(self, req_ids: list[str], p: np.ndarray) -> np.ndarray:
         """Conditional acceptance [R, q] with each request's shift."""
@@ -333,6 +343,7 @@ class SurvivalCorrection:
         self.max_gain = float(max_gain)
         self._factors: np.ndarray | None = np.ones(num_positions)
         self._upper: np.ndarray | None = None
+        self._lists: tuple[list[float], list[float]] | None = None
 
     def update(self, raw_survival: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
                applied: np.ndarray | None = None) -> None:
@@ -357,7 +368,13 @@ class SurvivalCorrection:
             gain = np.clip(self.gain * ratio, 1.0 / self.max_gain, self.max_gain)
             self.applied *= gain / self.gain  # as if handed out with the new gain
             self.gain = gain
-        self._factors = self._upper = None
+        self._factors = self._upper = self._lists = None
+
+    def factor_lists(self) -> tuple[list[float], list[float]]:
+        """(factors, upper bounds) as Python lists (`few_requests`), made once per update."""
+        if self._lists is None:
+            self._lists = (self.factors().tolist(), self.upper_factors().tolist())
+        return self._lists
 
     def factors(self) -> np.ndarray:
         """[k] multiplicative factor per position (the gain included)."""

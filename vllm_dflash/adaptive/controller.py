@@ -34,9 +34,10 @@ let the curves interpolate; the curves of the nearest measured sizes stand
 in meanwhile) draft randomised q (full blocks half the time, none a fifth)
 with randomised per-request budgets, and later a step
 explores (a longer q, random extra positions or full blocks for some
-requests; or, while drafting, no draft) with a probability capped so that, even if exploring meant full
-blocks verified for everyone, it costs at most `explore_time_share` of the
-predicted time. Decisions are deterministic for a seed.
+requests; or, while drafting, no draft) with a probability capped so that it
+costs at most `explore_time_share` of the predicted time: a longer block is
+priced as full blocks verified for everyone, no draft as the output it
+forgoes. Decisions are deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
 from vllm_dflash.adaptive.realized import ArmRates, RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, PROBE, FORCED = "optimal", "warmup", "explore", "probe", "forced"
+CALM = "calm"  # a step a run's draw decided: no probe, no exploration (`run_cut_short`)
 
 
 class _CachedPlan(NamedTuple):
@@ -64,6 +66,7 @@ class _CachedPlan(NamedTuple):
     q: int
     seconds: float  # the planned cycle's predicted seconds
     full_seconds: float  # the costliest cycle's (full blocks, all verified)
+    explore_cost: float  # what an exploring step costs, in planned steps (`_exploration_cost`)
     factors: tuple[float, float]  # the realised/forecast seconds-per-token factors the plan used
     interval: int  # decisions until the next replan
     req_ids: list[str]  # the requests it was made for
@@ -128,7 +131,8 @@ class BudgetController:
         self.realized = RealizedRatio(self._knots)
         self.arms = ArmRates(self._knots)
         self._decisions = 0
-        self._explore_next: str | None = None  # EXPLORE / PROBE drawn by coasting_run(); plan() carries it out
+        # EXPLORE / PROBE drawn by steady_run(), or CALM (`run_cut_short`): plan() carries it out
+        self._explore_next: str | None = None
         # request ids -> [R] logit shifts of their acceptance (AdaptiveSpeculation's RequestOffsets)
         self.request_shifts: Callable[[list[str]], np.ndarray] | None = None
         self._cache: dict[int, _CachedPlan] = {}  # per batch size
@@ -183,7 +187,7 @@ class BudgetController:
         entry = self._cache[requests]
         if explore_now == PROBE or (explore_now is None and entry.probe and self.rng.random() < self.probe_probability):
             return Plan(entry.other_q, PROBE)
-        if explore_now == EXPLORE or self.rng.random() < self._explore_probability(seconds, full_seconds):
+        if explore_now == EXPLORE or (explore_now is None and self.rng.random() < self._explore_probability(entry)):
             # Both ways: longer blocks than planned, or (half the time, while drafting) none, so
             # a cost model that overrates the no-draft step is corrected too.
             if q > 0 and (q == self.max_k or self.rng.random() < 0.5):
@@ -192,47 +196,71 @@ class BudgetController:
                 plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
         return plan
 
-    def _explore_probability(self, seconds: float, full_seconds: float) -> float:
-        return min(self.max_explore_probability,
-                   self.explore_time_share * seconds / max(full_seconds - seconds, 1e-12))
+    def _explore_probability(self, entry: _CachedPlan) -> float:
+        return min(self.max_explore_probability, self.explore_time_share / max(entry.explore_cost, 1e-12))
 
-    def coasting_run(self, req_ids: list[str], most: int) -> int:
-        """How many steps, from this one, the requests `req_ids` may coast: draft nothing
-        and need no planning (their batch size's plan is no draft, its time factors have
-        not moved, and none of those steps is due for a replan or draws exploration), at
-        most `most`. The caller skips everything a plan would need (request kinds,
-        eligibility, priors) for those steps, and reports them with `coasted`; on a busy
-        CPU a step without drafting must cost what a step without speculation costs.
-        0: call plan() now (which then explores if that is what this step drew).
+    def _exploration_cost(self, q: int, seconds: float, full_seconds: float, values: np.ndarray) -> float:
+        """What an exploring step costs, in planned steps: a longer block, at most full
+        blocks verified for everyone, costs their extra seconds; no draft (while drafting)
+        costs the output it forgoes, 1 - its tokens per second / the plan's. Priced as
+        full blocks, a plan already at full blocks looked free to explore, and explored at
+        the cap: at one request, 5% of steps went without drafting, each at ~0.45x the
+        plan's tokens per second (float32, bundled pair)."""
+        longer = (full_seconds - seconds) / seconds
+        if q == 0:
+            return longer
+        none = max(1.0 - float(values[0] / values[q]), 0.0)
+        return none if q == self.max_k else 0.5 * (none + longer)  # plan(): half of the steps each way
+
+    def steady_run(self, req_ids: list[str], most: int, drafting: bool = False) -> tuple[int, int]:
+        """(steps, q): how many steps, from this one, the requests `req_ids` may keep their
+        batch size's cached plan q without planning (its time factors have not moved, and
+        none of those steps is due for a replan or draws exploration), at most `most`;
+        only a plan that drafts (`drafting`) or only one that does not. The caller skips
+        planning for those steps and reports them with `coasted`; a run without drafting
+        also skips everything a plan would need (request kinds, eligibility, priors): on a
+        busy CPU a step without drafting must cost what a step without speculation costs,
+        and a drafting step must cost what static speculation costs.
+        (0, 0): call plan() now (which then explores if that is what this step drew).
 
         The per-step draws of a probe or exploration are made once per run: with the
         same plan every step, the steps until the first one are geometric, and a run
         that ends before it draws afresh (memoryless), so the chance per step is what
-        drawing every step would give. Steps of an unfinished run are simply fewer."""
-        if self._explore_next is not None:  # drawn by the last run, carried out by plan()
-            return 0
+        drawing every step would give. A run that ends early drops its draw (`run_cut_short`)."""
+        if self._explore_next is not None:  # drawn by the last run (or calm): carried out by plan()
+            return 0, 0
         requests = len(req_ids)
         entry = self._cache.get(requests)
-        if (entry is None or entry.q != 0
+        if (entry is None or (entry.q > 0) != drafting
                 or self._factors_moved(entry.factors, self.realized.factors(requests))
                 or self.arms.verdict(requests) != entry.verdict):
-            return 0
+            return 0, 0
         limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
         if run <= 0:
-            return 0
+            return 0, 0
         probe = self.probe_probability if entry.probe else 0.0
-        explore = self._explore_probability(entry.seconds, entry.full_seconds)
+        explore = self._explore_probability(entry)
         chance = 1.0 - (1.0 - probe) * (1.0 - explore)
         if chance > 0.0:
             calm = int(self.rng.geometric(chance)) - 1  # steps before the first probe or exploration
             if calm < run:
                 self._explore_next = PROBE if self.rng.random() * chance < probe else EXPLORE
                 run = calm
-        return run
+        return (run, entry.q) if run > 0 else (0, 0)
+
+    def run_cut_short(self) -> None:
+        """A run from steady_run() ends at this step, one of its own (a changed batch, a
+        prompt chunk), which plans instead. The run's draw already said this step is calm
+        (no probe, no exploration), so it draws nothing; a probe or exploration the run
+        drew for a later step is dropped, and the steps after this one draw afresh
+        (memoryless). Drawing again at this step, or keeping the later draw, explores
+        more than planned (measured: runs cut after one step explored at 7-33% a step
+        where 5% was planned)."""
+        self._explore_next = CALM
 
     def coasted(self, steps: int) -> None:
-        """`steps` steps of a run from coasting_run() coasted (decisions, for staleness)."""
+        """`steps` steps of a run from steady_run() went by (decisions, for staleness)."""
         self._decisions += steps
 
     def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
@@ -281,8 +309,9 @@ class BudgetController:
                 # on code: 20-35 of ~120 steps coasting at half the tokens per second of drafting).
                 # A row weighs 1/R in a plan: R x fade_steps bounds the replanning per step.
                 interval = min(interval, max(1, int(self.prior.fade_steps * requests)))
-            entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, factors, interval, req_ids,
-                                verdict, other_q, probe)
+            entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full,
+                                self._exploration_cost(q, float(seconds[q]), full, scaled), factors, interval,
+                                req_ids, verdict, other_q, probe)
             self._cache[requests] = entry
         return entry.step, entry.draft, entry.q, entry.seconds, entry.full_seconds
 
@@ -363,6 +392,14 @@ class BudgetController:
 
     # -------------------------------------------------------------- budgets --
 
+    def step_curve(self, requests: int, width: int) -> np.ndarray:
+        """E over B = 0..requests * width verified positions: the plan's cached curve while
+        the plan is current, else predicted afresh."""
+        entry = self._cache.get(requests)
+        if entry is not None and self._decisions - entry.stamp < entry.interval:
+            return entry.step[: requests * width + 1]
+        return self.step_cost.predict(requests, 1.0 + np.arange(requests * width + 1) / requests)
+
     def budgets(self, plan: Plan, survival: np.ndarray, draft_seconds: float,
                 eligible: np.ndarray | None = None) -> np.ndarray:
         """[R] verify lengths in [0, q] from posterior survival [R, q]; rows not
@@ -379,11 +416,7 @@ class BudgetController:
         live = int(eligible.sum())
         if live == 0:
             return np.zeros(rows, dtype=np.int64)
-        entry = self._cache.get(live)
-        if entry is not None and self._decisions - entry.stamp < entry.interval:
-            step = entry.step[: live * width + 1]
-        else:
-            step = self.step_cost.predict(live, 1.0 + np.arange(live * width + 1) / live)
+        step = self.step_curve(live, width)
         rows_live = survival if live == rows else survival[eligible]
         chosen, order, _ = best_budget(rows_live, live, step + draft_seconds)
         out = np.zeros(rows, dtype=np.int64)
@@ -427,6 +460,14 @@ class ForcedSchedule:
             first, end = self.pause
             return Plan(0 if first <= self.step - 1 < end else self.max_k, FORCED)
         return Plan(self.max_k if self.step % 3 else 0, FORCED)
+
+    def step_curve(self, requests: int, width: int) -> np.ndarray:
+        """E over B = 0..requests * width verified positions: the plan's cached curve while
+        the plan is current, else predicted afresh."""
+        entry = self._cache.get(requests)
+        if entry is not None and self._decisions - entry.stamp < entry.interval:
+            return entry.step[: requests * width + 1]
+        return self.step_cost.predict(requests, 1.0 + np.arange(requests * width + 1) / requests)
 
     def budgets(self, plan: Plan, survival: np.ndarray, draft_seconds: float,
                 eligible: np.ndarray | None = None) -> np.ndarray:

@@ -29,13 +29,16 @@ import numpy as np
 
 from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
 from vllm_dflash.adaptive.controller import EXPLORE, OPTIMAL, PROBE, BudgetController, ForcedSchedule, Plan
+from vllm_dflash.adaptive.few_requests import MAX_PAIRS, few_requests_choice
 from vllm_dflash.adaptive.realized import SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
 # Learning waits for LEARN_ROWS queued rows, drafts and outcomes (or 4 x learn_every steps): at one
 # request, learning every 4 steps cost ~0.1 ms a step (0.4 ms a call, float32, bundled pair).
 LEARN_ROWS = 16
-COAST_RUN = 16  # coasting steps logged before they are folded in (at most: a changed batch folds at once)
+# Steps of a run (coasting, or drafting on a cached plan) logged before they are folded in (at most:
+# a changed batch, a prompt chunk or a step that plans folds at once).
+RUN_STEPS = 16
 
 
 @dataclass
@@ -61,6 +64,7 @@ class StepState:
     budgets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     expected_accepted: float = 0.0  # drafts the budgets were expected to have accepted
     useful: np.ndarray | None = None  # [R] the most drafts each request can still use (None: any)
+    in_run: bool = False  # a step of a drafting run: its samples are logged for `fold_runs`
 
 
 def _stack_padded(arrays: list[np.ndarray], width: int) -> np.ndarray:
@@ -100,6 +104,11 @@ class AdaptiveSpeculation:
         self._prev_req_list: list[str] = []
         self._coast_log: list[tuple[float, float, float]] = []  # (start, end, not drafting) of coasted steps
         self._coast_left = 0  # further steps the open coasting run may take
+        # Steps of the open drafting run: [start, scheduled tokens, accepted drafts] from begin(),
+        # extended by end() with [end, not drafting, verified budget, expected accepted drafts].
+        self._run_log: list[list] = []
+        self._run_left = 0  # further steps the open drafting run may take
+        self._run_q = 0
         self._prev_end: float | None = None
         # (q, forecast drafting and step seconds, drafting seconds in the speed index's units, expected
         # accepted drafts, requests, drafting seconds as measured) of the last call
@@ -114,45 +123,66 @@ class AdaptiveSpeculation:
               num_tokens: int, greedy: np.ndarray, eligible: np.ndarray, useful: np.ndarray | None = None) -> Plan:
         """Outcomes of the last drafts, the step-time sample, and this step's plan. `useful`:
         per request the most drafts its next step can still turn into output (a request stops
-        at its token limit: drafts past it would be verified for nothing); None: no limit."""
-        self.fold_coasting()
+        at its token limit: drafts past it would be verified for nothing); None: no limit.
+
+        A steady step (the same requests in the same rows, plain decode plus the verified
+        drafts, every request eligible) whose batch size's cached plan drafts and holds
+        (`BudgetController.steady_run`) takes that plan without planning; its samples are
+        logged and folded with the rest of its run (`fold_runs`). Measured in the engine at
+        one request (float32, bundled pair): planning and sampling step by step cost
+        ~0.25 ms of a ~9 ms drafting step; static speculation pays nothing of the kind."""
         req_ids = req_ids if type(req_ids) is list else list(req_ids)  # the proposer's is a fresh slice
         num_verified = np.asarray(num_verified, dtype=np.int64)
         num_accepted = np.asarray(num_accepted, dtype=np.int64)
-        self._observe(req_ids, num_verified, num_accepted)
+        eligible = np.asarray(eligible, dtype=bool)
         requests = len(req_ids)
+        steady_same = (self.schedule is None and req_ids == self._prev_req_list and self._prev_end is not None
+                       and num_tokens == requests + int(num_verified.sum()) and bool(eligible.all()))
+        if not (steady_same and self._run_left > 0):
+            self.fold_runs()
+        self._observe(req_ids, num_verified, num_accepted)
+        kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
+        useful = None if useful is None else np.asarray(useful, dtype=np.int64)
+        if steady_same:
+            if self._run_left == 0:
+                self._run_left, self._run_q = self.controller.steady_run(req_ids, RUN_STEPS, drafting=True)
+            if self._run_left > 0:
+                self._run_left -= 1
+                self._run_log.append([now, num_tokens, int(num_accepted.sum())])
+                plan = Plan(self._run_q, OPTIMAL)
+                self._step = StepState(now, req_ids, kinds, eligible, plan, useful=useful, in_run=True)
+                return plan
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = same_or_fewer and num_tokens == requests + int(num_verified.sum())
         self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer)
-        kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
-        eligible = np.asarray(eligible, dtype=bool)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
             plan = Plan(0, plan.reason)
-        self._step = StepState(now, req_ids, kinds, eligible, plan,
-                               useful=None if useful is None else np.asarray(useful, dtype=np.int64))
+        self._step = StepState(now, req_ids, kinds, eligible, plan, useful=useful)
         return plan
 
     def coast(self, now: float, req_ids: list[str], num_tokens: int) -> bool:
         """begin() for the commonest step where speculation does not pay: the same
         requests as the last step, which verified nothing and drafts nothing again
-        (`BudgetController.coasting_run`). Nothing is planned or sampled now: the step
-        is logged and, with the rest of its run, folded in later (`fold_coasting`). True:
+        (`BudgetController.steady_run`). Nothing is planned or sampled now: the step
+        is logged and, with the rest of its run, folded in later (`fold_runs`). True:
         end the step with end_coast(). False: nothing was done; call begin().
 
         Measured in the engine (float32, 32 requests), the same bookkeeping done step by
         step cost 0.1 ms a step, against 16 us in a loop: between target forwards the
-        step's Python runs cold. A run of `COAST_RUN` steps is folded in one warm loop."""
+        step's Python runs cold. A run of `RUN_STEPS` steps is folded in one warm loop."""
         requests = len(req_ids)
         if self._coast_left > 0 and num_tokens == requests and req_ids == self._prev_req_list:
             self._coast_left -= 1
             return True
-        self.fold_coasting()
+        if self._run_left > 0:  # a drafting run is open: begin() continues or ends it
+            return False
+        self.fold_runs()
         if (self.schedule is not None or self._handed is not None or self._prev_end is None
                 or num_tokens != requests or req_ids != self._prev_req_list):
             return False
-        run = self.controller.coasting_run(req_ids, COAST_RUN)
+        run, _ = self.controller.steady_run(req_ids, RUN_STEPS)
         if run == 0:
             return False
         self._coast_left = run - 1
@@ -160,15 +190,39 @@ class AdaptiveSpeculation:
 
     def end_coast(self, start: float, now: float, not_drafting: float = 0.0) -> None:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
-        bench cells read them while the engine idles), its time samples logged for `fold_coasting`."""
+        bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
         self.stats.record_step(0, len(self._prev_req_list), OPTIMAL)
         self._coast_log.append((start, now, not_drafting))
 
-    def fold_coasting(self) -> None:
-        """The logged coasting steps, in order, as begin(), choose() and end() would have
-        taken them one by one: step-time samples E(R, 1) and D(R, 1), the cycles' realised
-        time and tokens. Called before any other step (a run's last steps wait for it)."""
+    def fold_runs(self) -> None:
+        """The logged steps of a coasting or drafting run, in order, as begin(), choose()
+        and end() would have taken them one by one: step-time samples E(R, t) and
+        D(R, q + 1), the cycles' realised time and tokens. Called before any step that
+        is not part of the run (a run's last steps wait for it)."""
+        self._fold_coasting()
+        log, self._run_log = self._run_log, []
+        if self._run_left > 0:
+            self.controller.run_cut_short()
+        self._run_left = 0
+        if not log:
+            return
+        if len(log[-1]) < 7:  # a step that began and never ended (its call failed): no sample
+            log.pop()
+        req_ids = self._prev_req_list
+        requests, q, controller = len(req_ids), self._run_q, self.controller
+        for start, num_tokens, accepted, end, not_drafting, budget, expected in log:
+            self._learn_and_sample(start, requests, num_tokens, steady=True, accepted=accepted, same_or_fewer=True)
+            self._close_cycle(start, end, not_drafting, requests, q, controller.forecast_parts(requests, q, budget),
+                              expected)
+            controller.prior.forget(req_ids)  # step by step: learning inside the loop stamps rows with it
+        controller.coasted(len(log))
+        self.offsets.forget(req_ids)
+
+    def _fold_coasting(self) -> None:
+        """fold_runs() of a coasting run: every step the same plan, E(R, 1) and D(R, 1)."""
         log, self._coast_log = self._coast_log, []
+        if self._coast_left > 0:
+            self.controller.run_cut_short()
         self._coast_left = 0
         if not log:
             return
@@ -237,8 +291,14 @@ class AdaptiveSpeculation:
         if handed is None or not req_ids:
             return
         if req_ids == handed.req_ids:  # the usual decode step: the same requests in the same rows
-            prev = np.arange(len(req_ids))
             ok = (num_verified > 0) & (num_verified <= handed.budgets)
+            if ok.all():  # every row as handed out: no row selection (each numpy call counts here)
+                self.stats.record_outcomes(handed.survival, num_verified, num_accepted)
+                self._outcomes.append((req_ids, handed.kinds, handed.feature, handed.shared, num_verified,
+                                       num_accepted, handed.raw, handed.survival))
+                self._queued_rows += len(req_ids)
+                return
+            prev = np.arange(len(req_ids))
         else:
             row_of = {r: i for i, r in enumerate(handed.req_ids)}
             prev = np.fromiter((row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
@@ -285,6 +345,10 @@ class AdaptiveSpeculation:
         if feature.shape[1] == 0:  # nothing drafted this step
             st.budgets = np.zeros(len(st.req_ids), dtype=np.int64)
             return st.budgets
+        rows, width = feature.shape
+        if (rows * width <= MAX_PAIRS and width <= self.max_k and self.schedule is None
+                and st.plan.reason in (OPTIMAL, PROBE) and st.eligible.all()):
+            return self._choose_few(now, feature, prior)
         shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
         raw = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
         survival = self.correction.apply(raw)
@@ -316,12 +380,37 @@ class AdaptiveSpeculation:
         self._handed = _Handed(st.req_ids, st.kinds, feature, shared, raw, survival, budgets)
         return budgets
 
+    def _choose_few(self, now: float, feature: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """choose() for a block of at most `MAX_PAIRS` pairs, every request eligible, on a
+        plan that is neither warm-up nor exploration: the same chain in Python floats
+        (`few_requests`)."""
+        st, controller, acceptance = self._step, self.controller, self.controller.acceptance
+        rows, width = feature.shape
+        factors, upper = self.correction.factor_lists()
+        shared, raw, survival, budgets, expected = few_requests_choice(
+            st.kinds.tolist(), feature.tolist(), np.asarray(prior).tolist(), acceptance.table_lists(),
+            acceptance.num_bins, acceptance.num_positions, self.offsets.shift_list(st.req_ids), factors, upper,
+            None if st.useful is None else st.useful.tolist(), controller.step_curve(rows, width).tolist(),
+            now - st.t0)
+        st.budgets = np.array(budgets, dtype=np.int64)
+        st.expected_accepted = expected
+        survival = np.array(survival)
+        self._drafted.append((st.req_ids, st.kinds, survival))
+        self._queued_rows += rows
+        self._handed = _Handed(st.req_ids, st.kinds, feature, np.array(shared), np.array(raw), survival, st.budgets)
+        return st.budgets
+
     def end(self, now: float, not_drafting: float = 0.0) -> None:
         """The call is over: D(R, q + 1) sample, statistics of the step. `not_drafting`
         seconds of the call were work any q would have paid (context writes held back
         by earlier steps without drafting) and are left out of D."""
         st = self._step
         if st is None:
+            return
+        if st.in_run:  # counted now; the samples wait for fold_runs()
+            self.stats.record_step(st.plan.q, st.budgets, OPTIMAL)
+            self._run_log[-1] += [now, not_drafting, int(st.budgets.sum()), st.expected_accepted]
+            self._step = None
             return
         requests = len(st.req_ids)
         parts = (0.0, 0.0)
