@@ -237,9 +237,10 @@ def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
     assert spec.coast(0.02, ["a", "b"], 2)  # inside the run: the fast check
     spec.end_coast(0.02, 0.021)
     folded = spec.controller.draft_cost.observations
-    assert not spec.coast(0.03, ["b", "a"], 2)  # rows moved
-    assert spec.controller.draft_cost.observations == folded + 2  # the run was folded on the way out
-    now = 0.03
+    assert not spec.coast(0.03, ["b", "a"], 2)  # rows moved: begin() takes the step ...
+    step(spec, 0.03, ["b", "a"], [0, 0], [0, 0], 2)
+    assert spec.controller.draft_cost.observations == folded + 2 + 1  # ... folds the run first, then its own
+    now = 0.04
     for _ in range(spec.controller.refresh_steps):  # planned until the plan is this batch's own
         step(spec, now, ["b", "a"], [0, 0], [0, 0], 2)
         now += 0.01

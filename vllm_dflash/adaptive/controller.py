@@ -461,14 +461,6 @@ class ForcedSchedule:
             return Plan(0 if first <= self.step - 1 < end else self.max_k, FORCED)
         return Plan(self.max_k if self.step % 3 else 0, FORCED)
 
-    def step_curve(self, requests: int, width: int) -> np.ndarray:
-        """E over B = 0..requests * width verified positions: the plan's cached curve while
-        the plan is current, else predicted afresh."""
-        entry = self._cache.get(requests)
-        if entry is not None and self._decisions - entry.stamp < entry.interval:
-            return entry.step[: requests * width + 1]
-        return self.step_cost.predict(requests, 1.0 + np.arange(requests * width + 1) / requests)
-
     def budgets(self, plan: Plan, survival: np.ndarray, draft_seconds: float,
                 eligible: np.ndarray | None = None) -> np.ndarray:
         rows, width = survival.shape

@@ -102,13 +102,12 @@ class AdaptiveSpeculation:
         self._queued_rows = 0  # drafted rows and verified outcomes queued for learn()
         self._prev_req_ids: set[str] = set()
         self._prev_req_list: list[str] = []
-        self._coast_log: list[tuple[float, float, float]] = []  # (start, end, not drafting) of coasted steps
-        self._coast_left = 0  # further steps the open coasting run may take
-        # Steps of the open drafting run: [start, scheduled tokens, accepted drafts] from begin(),
-        # extended by end() with [end, not drafting, verified budget, expected accepted drafts].
+        # Steps of the open run (coasting, or drafting on a cached plan): [start, scheduled tokens,
+        # accepted drafts] from begin(), extended by end() with [end, not drafting, verified budget,
+        # expected accepted drafts] (coast() and end_coast() log all seven at once).
         self._run_log: list[list] = []
-        self._run_left = 0  # further steps the open drafting run may take
-        self._run_q = 0
+        self._run_left = 0  # further steps the open run may take
+        self._run_q = 0  # its plan (0: coasting)
         self._prev_end: float | None = None
         # (q, forecast drafting and step seconds, drafting seconds in the speed index's units, expected
         # accepted drafts, requests, drafting seconds as measured) of the last call
@@ -173,11 +172,11 @@ class AdaptiveSpeculation:
         step cost 0.1 ms a step, against 16 us in a loop: between target forwards the
         step's Python runs cold. A run of `RUN_STEPS` steps is folded in one warm loop."""
         requests = len(req_ids)
-        if self._coast_left > 0 and num_tokens == requests and req_ids == self._prev_req_list:
-            self._coast_left -= 1
-            return True
-        if self._run_left > 0:  # a drafting run is open: begin() continues or ends it
-            return False
+        if self._run_left > 0:
+            if self._run_q == 0 and num_tokens == requests and req_ids == self._prev_req_list:
+                self._run_left -= 1
+                return True
+            return False  # a drafting run, or a step that is not the run's: begin() continues or ends it
         self.fold_runs()
         if (self.schedule is not None or self._handed is not None or self._prev_end is None
                 or num_tokens != requests or req_ids != self._prev_req_list):
@@ -185,21 +184,21 @@ class AdaptiveSpeculation:
         run, _ = self.controller.steady_run(req_ids, RUN_STEPS)
         if run == 0:
             return False
-        self._coast_left = run - 1
+        self._run_left, self._run_q = run - 1, 0
         return True
 
     def end_coast(self, start: float, now: float, not_drafting: float = 0.0) -> None:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
         bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
         self.stats.record_step(0, len(self._prev_req_list), OPTIMAL)
-        self._coast_log.append((start, now, not_drafting))
+        requests = len(self._prev_req_list)
+        self._run_log.append([start, requests, 0, now, not_drafting, 0, 0.0])
 
     def fold_runs(self) -> None:
         """The logged steps of a coasting or drafting run, in order, as begin(), choose()
         and end() would have taken them one by one: step-time samples E(R, t) and
         D(R, q + 1), the cycles' realised time and tokens. Called before any step that
         is not part of the run (a run's last steps wait for it)."""
-        self._fold_coasting()
         log, self._run_log = self._run_log, []
         if self._run_left > 0:
             self.controller.run_cut_short()
@@ -216,25 +215,6 @@ class AdaptiveSpeculation:
                               expected)
             controller.prior.forget(req_ids)  # step by step: learning inside the loop stamps rows with it
         controller.coasted(len(log))
-        self.offsets.forget(req_ids)
-
-    def _fold_coasting(self) -> None:
-        """fold_runs() of a coasting run: every step the same plan, E(R, 1) and D(R, 1)."""
-        log, self._coast_log = self._coast_log, []
-        if self._coast_left > 0:
-            self.controller.run_cut_short()
-        self._coast_left = 0
-        if not log:
-            return
-        req_ids = self._prev_req_list
-        requests, steps = len(req_ids), len(log)
-        controller = self.controller
-        parts = controller.forecast_parts(requests, 0, 0)  # the run's plan: the same every step
-        for start, end, not_drafting in log:
-            self._learn_and_sample(start, requests, requests, steady=True, same_or_fewer=True)
-            self._close_cycle(start, end, not_drafting, requests, 0, parts, 0.0)
-        controller.coasted(steps)
-        controller.prior.forget(req_ids, steps=steps)
         self.offsets.forget(req_ids)
 
     def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0,
