@@ -181,10 +181,10 @@ class BudgetController:
             u = self.rng.random()
             q = self.max_k if u < 0.5 else 0 if u < 0.7 else int(self.rng.integers(0, self.max_k + 1))
             return Plan(q, WARMUP)
-        step, draft, q, seconds, full_seconds = self._planned(req_ids, kinds)
+        entry = self._planned(req_ids, kinds)
+        q = entry.q
         plan = Plan(q, OPTIMAL)
         explore_now, self._explore_next = self._explore_next, None
-        entry = self._cache[requests]
         if explore_now == PROBE or (explore_now is None and entry.probe and self.rng.random() < self.probe_probability):
             return Plan(entry.other_q, PROBE)
         if explore_now == EXPLORE or (explore_now is None and self.rng.random() < self._explore_probability(entry)):
@@ -263,8 +263,8 @@ class BudgetController:
         """`steps` steps of a run from steady_run() went by (decisions, for staleness)."""
         self._decisions += steps
 
-    def _planned(self, req_ids: list[str], kinds: np.ndarray) -> tuple:
-        """The cost curves at this batch size and the planned q, recomputed every
+    def _planned(self, req_ids: list[str], kinds: np.ndarray) -> _CachedPlan:
+        """The batch size's plan (its cost curves and q), recomputed every
         `refresh_steps` decisions, or up to 4x that while replanning keeps giving the
         same q (costs and acceptance drift slowly; replanning every step would cost
         more than it changes), and at once when a realised/forecast factor moves.
@@ -313,7 +313,7 @@ class BudgetController:
                                 self._exploration_cost(q, float(seconds[q]), full, scaled), factors, interval,
                                 req_ids, verdict, other_q, probe)
             self._cache[requests] = entry
-        return entry.step, entry.draft, entry.q, entry.seconds, entry.full_seconds
+        return entry
 
     def _stale(self, entry: _CachedPlan, req_ids: list[str], ahead: int = 0) -> bool:
         """The plan `entry` is due for a redo at this decision (`ahead`: counted from the

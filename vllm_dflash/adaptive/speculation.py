@@ -135,8 +135,9 @@ class AdaptiveSpeculation:
         num_accepted = np.asarray(num_accepted, dtype=np.int64)
         eligible = np.asarray(eligible, dtype=bool)
         requests = len(req_ids)
+        plain_decode = num_tokens == requests + int(num_verified.sum())  # no prompt chunk in the step
         steady_same = (self.schedule is None and req_ids == self._prev_req_list and self._prev_end is not None
-                       and num_tokens == requests + int(num_verified.sum()) and bool(eligible.all()))
+                       and plain_decode and bool(eligible.all()))
         if not (steady_same and self._run_left > 0):
             self.fold_runs()
         self._observe(req_ids, num_verified, num_accepted)
@@ -152,7 +153,7 @@ class AdaptiveSpeculation:
                 self._step = StepState(now, req_ids, kinds, eligible, plan, useful=useful, in_run=True)
                 return plan
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
-        steady = same_or_fewer and num_tokens == requests + int(num_verified.sum())
+        steady = same_or_fewer and plain_decode
         self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
@@ -190,8 +191,8 @@ class AdaptiveSpeculation:
     def end_coast(self, start: float, now: float, not_drafting: float = 0.0) -> None:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
         bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
-        self.stats.record_step(0, len(self._prev_req_list), OPTIMAL)
         requests = len(self._prev_req_list)
+        self.stats.record_step(0, requests, OPTIMAL)
         self._run_log.append([start, requests, 0, now, not_drafting, 0, 0.0])
 
     def fold_runs(self) -> None:
@@ -273,10 +274,7 @@ class AdaptiveSpeculation:
         if req_ids == handed.req_ids:  # the usual decode step: the same requests in the same rows
             ok = (num_verified > 0) & (num_verified <= handed.budgets)
             if ok.all():  # every row as handed out: no row selection (each numpy call counts here)
-                self.stats.record_outcomes(handed.survival, num_verified, num_accepted)
-                self._outcomes.append((req_ids, handed.kinds, handed.feature, handed.shared, num_verified,
-                                       num_accepted, handed.raw, handed.survival))
-                self._queued_rows += len(req_ids)
+                self._queue_outcomes(req_ids, handed, num_verified, num_accepted)
                 return
             prev = np.arange(len(req_ids))
         else:
@@ -288,12 +286,19 @@ class AdaptiveSpeculation:
             ok[known] &= num_verified[known] <= handed.budgets[prev[known]]
         if not ok.any():
             return
-        rows, verified, accepted = prev[ok], num_verified[ok], num_accepted[ok]
-        self.stats.record_outcomes(handed.survival[rows], verified, accepted)
+        rows = prev[ok]
         ids = req_ids if ok.all() else [r for r, good in zip(req_ids, ok) if good]
-        self._outcomes.append((ids, handed.kinds[rows], handed.feature[rows], handed.shared[rows], verified, accepted,
-                               handed.raw[rows], handed.survival[rows]))
-        self._queued_rows += len(ids)
+        selected = _Handed(ids, handed.kinds[rows], handed.feature[rows], handed.shared[rows], handed.raw[rows],
+                           handed.survival[rows], handed.budgets[rows])
+        self._queue_outcomes(ids, selected, num_verified[ok], num_accepted[ok])
+
+    def _queue_outcomes(self, req_ids: list[str], handed: _Handed, verified: np.ndarray,
+                        accepted: np.ndarray) -> None:
+        """Count the verified drafts `handed` (their rows, in order) in the statistics and queue them for learn()."""
+        self.stats.record_outcomes(handed.survival, verified, accepted)
+        self._outcomes.append((req_ids, handed.kinds, handed.feature, handed.shared, verified, accepted, handed.raw,
+                               handed.survival))
+        self._queued_rows += len(req_ids)
 
     def learn(self) -> None:
         """Fold the queued outcomes and drafts into the models."""
@@ -339,7 +344,6 @@ class AdaptiveSpeculation:
         planner = self.schedule or self.controller
         # Positions a request cannot use are worth nothing to the budget choice (a forced test
         # schedule keeps its own lengths); the models still learn from the drafts' survival.
-        width = feature.shape[1]
         capped = st.useful is not None and self.schedule is None
         if capped:
             usable = np.arange(width)[None, :] < st.useful[:, None]
@@ -347,18 +351,12 @@ class AdaptiveSpeculation:
         budgets = planner.budgets(st.plan, optimistic, now - st.t0, st.eligible)
         budgets = np.where(st.eligible, np.minimum(budgets, np.minimum(st.useful, width) if capped else width), 0)
         st.budgets = budgets
+        expected = 0.0
         if budgets.any():  # survival summed over each request's budget: its expected accepted drafts
             rows = np.flatnonzero(budgets)
             cumulative = np.cumsum(survival[rows], axis=1)
-            st.expected_accepted = float(cumulative[np.arange(rows.size), budgets[rows] - 1].sum())
-        if st.eligible.all():
-            self._drafted.append((st.req_ids, st.kinds, survival))
-        else:
-            self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
-                                  survival[st.eligible]))
-        self._queued_rows += len(self._drafted[-1][0])
-        self._handed = _Handed(st.req_ids, st.kinds, feature, shared, raw, survival, budgets)
-        return budgets
+            expected = float(cumulative[np.arange(rows.size), budgets[rows] - 1].sum())
+        return self._hand_out(feature, shared, raw, survival, budgets, expected)
 
     def _choose_few(self, now: float, feature: np.ndarray, prior: np.ndarray) -> np.ndarray:
         """choose() for a block of at most `MAX_PAIRS` pairs, every request eligible, on a
@@ -372,13 +370,23 @@ class AdaptiveSpeculation:
             acceptance.num_bins, acceptance.num_positions, self.offsets.shift_list(st.req_ids), factors, upper,
             None if st.useful is None else st.useful.tolist(), controller.step_curve(rows, width).tolist(),
             now - st.t0)
-        st.budgets = np.array(budgets, dtype=np.int64)
-        st.expected_accepted = expected
-        survival = np.array(survival)
-        self._drafted.append((st.req_ids, st.kinds, survival))
-        self._queued_rows += rows
-        self._handed = _Handed(st.req_ids, st.kinds, feature, np.array(shared), np.array(raw), survival, st.budgets)
-        return st.budgets
+        return self._hand_out(feature, np.array(shared), np.array(raw), np.array(survival),
+                              np.array(budgets, dtype=np.int64), expected)
+
+    def _hand_out(self, feature: np.ndarray, shared: np.ndarray, raw: np.ndarray, survival: np.ndarray,
+                  budgets: np.ndarray, expected_accepted: float) -> np.ndarray:
+        """The step's chosen budgets, whichever path chose them: kept for end() and for the
+        next step's outcomes, the eligible rows' survival queued for the prior."""
+        st = self._step
+        st.budgets, st.expected_accepted = budgets, expected_accepted
+        if st.eligible.all():
+            self._drafted.append((st.req_ids, st.kinds, survival))
+        else:
+            self._drafted.append(([r for r, e in zip(st.req_ids, st.eligible) if e], st.kinds[st.eligible],
+                                  survival[st.eligible]))
+        self._queued_rows += len(self._drafted[-1][0])
+        self._handed = _Handed(st.req_ids, st.kinds, feature, shared, raw, survival, budgets)
+        return budgets
 
     def end(self, now: float, not_drafting: float = 0.0) -> None:
         """The call is over: D(R, q + 1) sample, statistics of the step. `not_drafting`
