@@ -7,11 +7,17 @@ Between processes the same engine's speed differs by 5-15% on a shared CPU, and 
 by more: a 3% question (what does a step without drafts cost?) cannot be answered by engines in separate
 processes. Here every mode's engine is built in this process (vLLM's in-process engine), and each
 repetition runs one generate call per mode, the order reversed every other repetition; each ratio
-compares calls seconds apart in the same process. Modes: none (no speculation), adaptive (the plugin's
+compares calls seconds apart in the same process. `--learn-at 1,2,4,8,16` first takes every engine
+through calls at those concurrencies (what the bench's earlier cells teach adaptive speculation), with
+room for the largest (`max_num_seqs`). Modes: none (no speculation), adaptive (the plugin's
 default), static (`adaptive: false`, k every step), pause (adaptive speculation forced to draft nothing,
-every step: what speculation costs when it is off). Requests: the toy prompts of --categories cycled to
+every step: what speculation costs when it is off). A mode may carry a label after `#` (none#2): a second
+engine of the same mode, the control that shows how far two identical engines in one process differ (their
+memory lies in different places: 2-5% apart on this kind of machine). Requests: the toy prompts of --categories cycled to
 waves x concurrency, at most `concurrency` in flight. Prints tok/s per call, the median ratio to the first
-mode, and where each engine's step time goes (ms per step).
+mode, where each engine's step time goes (ms per step), and its steps split by batch: at the full
+concurrency, or fewer requests (the tail of a call, once no request waits: speculation puts requests out
+of step, so they finish apart; without it a wave of equal requests finishes together).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ def build(mode: str, args):
     spec = None if mode == "none" else {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.k,
                                         "adaptive": mode != "static"}
     try:
-        return LLM(args.target, speculative_config=spec, dtype=args.dtype, max_num_seqs=args.concurrency,
+        return LLM(args.target, speculative_config=spec, dtype=args.dtype,
+                   max_num_seqs=max([args.concurrency, *args.learn_at]),
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
                    enable_prefix_caching=False, async_scheduling=False, skip_tokenizer_init=True, seed=0)
     finally:
@@ -58,6 +65,48 @@ def time_phases(llm, timer) -> None:
             setattr(obj, name, timer.wrap(getattr(obj, name), f"{owner or 'core'}.{name}"))
 
 
+def log_batches(llm, log: list) -> None:
+    """Append [requests scheduled, seconds until the next schedule, tokens sampled, start] for every
+    step of `llm` (a call's last step: until the call returns, `close_batches`)."""
+    from vllm_dflash.patches.model_runner import scheduler_of
+
+    scheduler = scheduler_of(llm)
+    schedule, update = scheduler.schedule, scheduler.update_from_output
+
+    def timed_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        now = time.perf_counter()
+        if log and log[-1][1] == 0.0:
+            log[-1][1] = now - log[-1][3]
+        log.append([len(out.num_scheduled_tokens), 0.0, 0, now])
+        return out
+
+    def counted_update(scheduler_output, model_runner_output):
+        sampled = model_runner_output.sampled_token_ids
+        if log and sampled is not None:
+            log[-1][2] += sum(len(ids) for ids in sampled)
+        return update(scheduler_output, model_runner_output)
+
+    scheduler.schedule, scheduler.update_from_output = timed_schedule, counted_update
+
+
+def close_batches(log: list) -> None:
+    """The last logged step ends now (its call returned)."""
+    if log and log[-1][1] == 0.0:
+        log[-1][1] = time.perf_counter() - log[-1][3]
+
+
+def by_batch(log: list, concurrency: int) -> dict:
+    """{"full" | "fewer": (steps, seconds, tokens)}: steps at `concurrency` requests and below it."""
+    out = {"full": [0, 0.0, 0], "fewer": [0, 0.0, 0]}
+    for requests, seconds, tokens, _ in log:
+        part = out["full" if requests >= concurrency else "fewer"]
+        part[0] += 1
+        part[1] += seconds
+        part[2] += tokens
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="none,pause,adaptive", help=f"comma-separated, from {', '.join(MODES)}")
@@ -71,27 +120,43 @@ def main() -> None:
     p.add_argument("--target", default="models/toy-target")
     p.add_argument("--draft", default="models/toy-draft")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--learn-at", default="", help="concurrencies every engine runs through first (e.g. 1,2,4,8,16)")
     args = p.parse_args()
+    args.learn_at = [int(c) for c in args.learn_at.split(",") if c]
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise SystemExit(f"--modes={args.modes}: choose from {', '.join(MODES)}")
+    bad = [m for m in modes if m.split("#")[0] not in MODES]
+    if bad or not modes or len(set(modes)) < len(modes):
+        raise SystemExit(f"--modes={args.modes}: choose distinct modes from {', '.join(MODES)} "
+                         "(a repeated mode takes a label: none,adaptive,none#2)")
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_dflash.bench import prompts as toy
+    from vllm_dflash.bench.runner import in_flight
     from vllm_dflash.machine import describe, machine_info
     from vllm_dflash.profiler import PhaseTimer
 
     print(f"machine: {describe(machine_info())}", flush=True)
-    llms = {m: build(m, args) for m in modes}
+    llms = {m: build(m.split("#")[0], args) for m in modes}
     sets = toy.encode(toy.load_prompt_sets("toy", args.target), args.target)
     pool = [ids for c in args.categories.split(",") for ids in sets[c]]
     prompts = [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * args.concurrency)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    def generate(llm, concurrency: int, batch: list, log: list | None = None) -> None:
+        with in_flight(llm, concurrency):
+            llm.generate(batch, params, use_tqdm=False)
+        if log is not None:
+            close_batches(log)
+
     for llm in llms.values():  # first calls (compilation of new shapes) stay out
-        llm.generate(prompts, params, use_tqdm=False)
+        for c in args.learn_at:
+            generate(llm, c, [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * c)])
+        generate(llm, args.concurrency, prompts)
+    batches = {m: [] for m in modes}
+    for m in modes:
+        log_batches(llms[m], batches[m])
     timers = {m: PhaseTimer() for m in modes}
     for m in modes:
         time_phases(llms[m], timers[m])
@@ -99,7 +164,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for m in modes if rep % 2 == 0 else modes[::-1]:
             t0 = time.perf_counter()
-            llms[m].generate(prompts, params, use_tqdm=False)
+            generate(llms[m], args.concurrency, prompts, batches[m])
             tok_s[m].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
     base = modes[0]
     print(f"{args.dtype}, {args.concurrency} in flight, {len(prompts)} requests x {args.max_tokens} tokens, "
@@ -117,6 +182,10 @@ def main() -> None:
             steps = timers[m].phases.get("runner.execute_model", {}).get("calls") or 1
             row.append(f"{seconds[m].get(k, 0.0) / steps * 1e3:9.3f}")
         print(f"  {k:30s} {' '.join(row)}")
+    print(f"steps by batch: at {args.concurrency} requests | fewer (steps, seconds, tokens, tok/s)")
+    for m in modes:
+        parts = by_batch(batches[m], args.concurrency)
+        print(f"  {m:9s} " + " | ".join(f"{n} {s:.2f} s {t} {t / s if s else 0.0:.0f}" for n, s, t in parts.values()))
 
 
 if __name__ == "__main__":

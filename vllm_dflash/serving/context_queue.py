@@ -182,13 +182,13 @@ class DeferredContext:
         n, start = blocks[0].shape[0], self._rows
         self._reserve(start + n, blocks, positions, slots)
         features = self._buffers.features
-        column = 0
-        for block in blocks:
-            width = block.shape[1]
-            features[start:start + n, column:column + width].copy_(block)
-            column += width
-        if column != features.shape[1]:
-            raise ValueError(f"DeferredContext: {column} feature columns held, the queue's rows have {features.shape[1]}")
+        width = sum(block.shape[1] for block in blocks)
+        if width != features.shape[1]:
+            raise ValueError(f"DeferredContext: {width} feature columns held, the queue's rows have {features.shape[1]}")
+        if len(blocks) == 1:
+            features[start:start + n].copy_(blocks[0])
+        else:  # one op into the rows (whole rows of the buffer: contiguous), not one strided copy per block
+            torch.cat(blocks, dim=1, out=features[start:start + n])
         self._buffers.positions[start:start + n].copy_(positions)
         self._buffers.slots[start:start + n].copy_(slots)
         self._rows = start + n
