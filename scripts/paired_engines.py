@@ -76,8 +76,7 @@ def log_batches(llm, log: list) -> None:
     def timed_schedule(*args, **kwargs):
         out = schedule(*args, **kwargs)
         now = time.perf_counter()
-        if log and log[-1][1] == 0.0:
-            log[-1][1] = now - log[-1][3]
+        close_batches(log, now)
         log.append([len(out.num_scheduled_tokens), 0.0, 0, now])
         return out
 
@@ -90,14 +89,15 @@ def log_batches(llm, log: list) -> None:
     scheduler.schedule, scheduler.update_from_output = timed_schedule, counted_update
 
 
-def close_batches(log: list) -> None:
-    """The last logged step ends now (its call returned)."""
+def close_batches(log: list, now: float | None = None) -> None:
+    """The last logged step, if still open, ends at `now` (the next step's schedule; None: its
+    call returned, so it ends at this moment)."""
     if log and log[-1][1] == 0.0:
-        log[-1][1] = time.perf_counter() - log[-1][3]
+        log[-1][1] = (time.perf_counter() if now is None else now) - log[-1][3]
 
 
 def by_batch(log: list, concurrency: int) -> dict:
-    """{"full" | "fewer": (steps, seconds, tokens)}: steps at `concurrency` requests and below it."""
+    """{"full" | "fewer": [steps, seconds, tokens]}: steps at `concurrency` requests and below it."""
     out = {"full": [0, 0.0, 0], "fewer": [0, 0.0, 0]}
     for requests, seconds, tokens, _ in log:
         part = out["full" if requests >= concurrency else "fewer"]
@@ -105,6 +105,17 @@ def by_batch(log: list, concurrency: int) -> dict:
         part[1] += seconds
         part[2] += tokens
     return out
+
+
+def concurrencies(text: str) -> list[int]:
+    """--learn-at: comma-separated request counts (empty: none)."""
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        counts = [0]
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated request counts >= 1, e.g. 1,2,4,16")
+    return counts
 
 
 def main() -> None:
@@ -120,9 +131,9 @@ def main() -> None:
     p.add_argument("--target", default="models/toy-target")
     p.add_argument("--draft", default="models/toy-draft")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--learn-at", default="", help="concurrencies every engine runs through first (e.g. 1,2,4,8,16)")
+    p.add_argument("--learn-at", type=concurrencies, default=[],
+                   help="concurrencies every engine runs through first (e.g. 1,2,4,8,16)")
     args = p.parse_args()
-    args.learn_at = [int(c) for c in args.learn_at.split(",") if c]
     modes = args.modes.split(",")
     bad = [m for m in modes if m.split("#")[0] not in MODES]
     if bad or not modes or len(set(modes)) < len(modes):
@@ -141,7 +152,12 @@ def main() -> None:
     llms = {m: build(m.split("#")[0], args) for m in modes}
     sets = toy.encode(toy.load_prompt_sets("toy", args.target), args.target)
     pool = [ids for c in args.categories.split(",") for ids in sets[c]]
-    prompts = [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * args.concurrency)]
+
+    def requests_for(concurrency: int) -> list:
+        """The toy prompts cycled to waves x `concurrency` requests."""
+        return [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * concurrency)]
+
+    prompts = requests_for(args.concurrency)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     def generate(llm, concurrency: int, batch: list, log: list | None = None) -> None:
@@ -152,7 +168,7 @@ def main() -> None:
 
     for llm in llms.values():  # first calls (compilation of new shapes) stay out
         for c in args.learn_at:
-            generate(llm, c, [TokensPrompt(prompt_token_ids=pool[i % len(pool)]) for i in range(args.waves * c)])
+            generate(llm, c, requests_for(c))
         generate(llm, args.concurrency, prompts)
     batches = {m: [] for m in modes}
     for m in modes:
