@@ -15,7 +15,8 @@ every step: what speculation costs when it is off). A mode may carry a label aft
 engine of the same mode, the control that shows how far two identical engines in one process differ (their
 memory lies in different places: 2-5% apart on this kind of machine). Requests: the toy prompts of --categories cycled to
 waves x concurrency, at most `concurrency` in flight. Prints tok/s per call, the median ratio to the first
-mode, where each engine's step time goes (ms per step), and its steps split by batch: at the full
+mode, for adaptive engines the share of each call's steps that drafted and the drain factor after it
+(`adaptive.drain`), where each engine's step time goes (ms per step), and its steps split by batch: at the full
 concurrency, or fewer requests (the tail of a call, once no request waits: speculation puts requests out
 of step, so they finish apart; without it a wave of equal requests finishes together).
 """
@@ -63,6 +64,13 @@ def time_phases(llm, timer) -> None:
         obj = owners[owner]
         if obj is not None and hasattr(obj, name):
             setattr(obj, name, timer.wrap(getattr(obj, name), f"{owner or 'core'}.{name}"))
+
+
+def adaptive_of(llm):
+    """The engine's adaptive speculation (`AdaptiveSpeculation`), None without it."""
+    from vllm_dflash.patches.model_runner import model_runner_of
+
+    return getattr(getattr(model_runner_of(llm), "drafter", None), "adaptive", None)
 
 
 def log_batches(llm, log: list) -> None:
@@ -177,11 +185,17 @@ def main() -> None:
     for m in modes:
         time_phases(llms[m], timers[m])
     tok_s = collections.defaultdict(list)
+    decided = collections.defaultdict(list)  # adaptive engines, per call: (share of steps drafting, drain factor)
     for rep in range(args.repeats):
         for m in modes if rep % 2 == 0 else modes[::-1]:
+            adaptive = adaptive_of(llms[m])
+            before = adaptive.stats.snapshot()["query_hist"] if adaptive is not None else None
             t0 = time.perf_counter()
             generate(llms[m], args.concurrency, prompts, batches[m])
             tok_s[m].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
+            if adaptive is not None:
+                hist = [a - b for a, b in zip(adaptive.stats.snapshot()["query_hist"], before)]
+                decided[m].append((1.0 - hist[0] / max(sum(hist), 1), adaptive.controller.drain.factor(args.concurrency)))
     base = modes[0]
     print(f"{args.dtype}, {args.concurrency} in flight, {len(prompts)} requests x {args.max_tokens} tokens, "
           f"{args.repeats} repetitions")
@@ -189,6 +203,9 @@ def main() -> None:
         ratios = [a / b for a, b in zip(tok_s[m], tok_s[base])]
         print(f"{m:9s} tok/s {' '.join(f'{x:.0f}' for x in tok_s[m])}   / {base}: median "
               f"{statistics.median(ratios):.3f} [{' '.join(f'{x:.2f}' for x in ratios)}]")
+        if decided[m]:
+            print(f"{'':9s} steps drafting {' '.join(f'{d:.2f}' for d, _ in decided[m])}; drain factor after the "
+                  f"call {' '.join(f'{f:.2f}' for _, f in decided[m])}")
     seconds = {m: {k: v["seconds"] for k, v in timers[m].phases.items()} for m in modes}
     keys = sorted({k for m in modes for k in seconds[m]}, key=lambda k: -seconds[base].get(k, 0.0))
     print("ms per engine step (each mode's own steps): " + " ".join(f"{m:>9s}" for m in modes))

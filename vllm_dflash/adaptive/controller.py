@@ -21,9 +21,11 @@ The curves' seconds for drafting and for not drafting are each scaled by
 how long cycles of that kind really took per token against their forecast,
 per batch size (`realized`; a drafting cycle's tokens against those its
 budgets expected): what the fits cannot see still reaches the decision.
+Drafting's seconds are also scaled by what its busy periods lost at their
+end, where requests it put out of step finish one by one (`drain`).
 Where the measured tokens per second of drafting and not drafting differ
-beyond their noise (`realized.ArmRates`), that verdict decides between
-drafting and not; while the plan is to draft, the curves see drafting ahead
+beyond their noise (`realized.ArmRates`, drafting's rate scaled by its
+drain), that verdict decides between drafting and not; while the plan is to draft, the curves see drafting ahead
 by less than `probe_margin` and the measurements cannot yet tell, a
 `probe_probability` share of decisions does not draft (a probe).
 
@@ -51,6 +53,7 @@ import numpy as np
 
 from vllm_dflash.adaptive.calibration import AcceptanceModel, SurvivalPrior
 from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
+from vllm_dflash.adaptive.drain import DrainLoss
 from vllm_dflash.adaptive.realized import ArmRates, RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, PROBE, FORCED = "optimal", "warmup", "explore", "probe", "forced"
@@ -130,6 +133,7 @@ class BudgetController:
         self._knots = self.step_cost.r_knots.tolist()
         self.realized = RealizedRatio(self._knots)
         self.arms = ArmRates(self._knots)
+        self.drain = DrainLoss(self._knots, no_draft_share=max_explore_probability)
         self._decisions = 0
         # EXPLORE / PROBE drawn by steady_run(), or CALM (`run_cut_short`): plan() carries it out
         self._explore_next: str | None = None
@@ -232,8 +236,8 @@ class BudgetController:
         requests = len(req_ids)
         entry = self._cache.get(requests)
         if (entry is None or (entry.q > 0) != drafting
-                or self._factors_moved(entry.factors, self.realized.factors(requests))
-                or self.arms.verdict(requests) != entry.verdict):
+                or self._factors_moved(entry.factors, self.time_factors(requests))
+                or self.verdict(requests) != entry.verdict):
             return 0, 0
         limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
@@ -273,8 +277,8 @@ class BudgetController:
         requests = len(req_ids)
         self._decisions += 1
         entry = self._cache.get(requests)
-        factors = self.realized.factors(requests)
-        verdict = self.arms.verdict(requests)
+        factors = self.time_factors(requests)
+        verdict = self.verdict(requests)
         moved = entry is not None and (self._factors_moved(entry.factors, factors) or verdict != entry.verdict)
         if entry is None or self._stale(entry, req_ids) or moved:
             k = self.max_k
@@ -314,6 +318,17 @@ class BudgetController:
                                 req_ids, verdict, other_q, probe)
             self._cache[requests] = entry
         return entry
+
+    def time_factors(self, requests: int) -> tuple[float, float]:
+        """(no-draft, drafting) factors on forecast seconds at this batch size: how cycles of
+        each kind ran against their forecast (`realized`), drafting's also by the drain it
+        leaves at the end of a busy period (`drain`)."""
+        no_draft, drafting = self.realized.factors(requests)
+        return no_draft, drafting / self.drain.factor(requests)
+
+    def verdict(self, requests: int) -> int:
+        """The measured arms' verdict (`ArmRates.verdict`), drafting's rate scaled by its drain."""
+        return self.arms.verdict(requests, drafting_scale=self.drain.factor(requests))
 
     def _stale(self, entry: _CachedPlan, req_ids: list[str], ahead: int = 0) -> bool:
         """The plan `entry` is due for a redo at this decision (`ahead`: counted from the

@@ -170,7 +170,9 @@ class ArmRates:
         arms = self._sums[nearest_knot(self.knots, requests)]
         return tuple(float(a[0] / a[1]) if a[1] > 0 else 0.0 for a in arms)
 
-    def verdict(self, requests: int) -> int:
+    def verdict(self, requests: int, drafting_scale: float = 1.0) -> int:
+        """`drafting_scale`: a factor on the drafting arm's rate that no cycle measures (the
+        drain it leaves at the end of a busy period, `drain.DrainLoss.factor`)."""
         arms = self._sums[nearest_knot(self.knots, requests)]
         if min(a[2] for a in arms) < self.min_cycles - 1e-9:
             return 0
@@ -179,7 +181,7 @@ class ArmRates:
             mean = log_rate / weight
             spread += max(log_rate_sq / weight - mean * mean, self.noise_floor ** 2) / weight
         (t0, s0, *_), (t1, s1, *_) = arms
-        difference = math.log(t1 / s1) - math.log(t0 / s0)
+        difference = math.log(t1 / s1) - math.log(t0 / s0) + math.log(drafting_scale)
         if difference > self.z * math.sqrt(spread):
             return 1
         if difference < -self.z * math.sqrt(spread):

@@ -113,6 +113,7 @@ class AdaptiveSpeculation:
         # accepted drafts, requests, drafting seconds as measured) of the last call
         self._prev_cycle: tuple[int, float, float, float, float, int, float] | None = None
         self._step: StepState | None = None
+        self._period_clock: float | None = None  # when the last step began (`_count_period`)
 
     @property
     def acceptance(self):
@@ -154,7 +155,8 @@ class AdaptiveSpeculation:
                 return plan
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = same_or_fewer and plain_decode
-        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer)
+        fresh = not same_or_fewer and self._prev_req_ids.isdisjoint(req_ids)
+        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer, fresh)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
@@ -219,7 +221,7 @@ class AdaptiveSpeculation:
         self.offsets.forget(req_ids)
 
     def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0,
-                          same_or_fewer: bool = True) -> None:
+                          same_or_fewer: bool = True, fresh: bool = False) -> None:
         """Every step: the batched learning when due; on a steady step (the same or fewer
         requests, plain decode plus the verified drafts) the E(R, tokens) sample; and on
         every step the realised/forecast time of the cycle that ends here and the tokens
@@ -236,6 +238,7 @@ class AdaptiveSpeculation:
         since = self._steps_since_learning
         if since >= self.learn_every and (self._queued_rows >= LEARN_ROWS or since >= 4 * self.learn_every):
             self.learn()
+        self._count_period(now, requests, num_tokens, accepted, fresh)
         if self._prev_end is None or requests == 0:
             return
         # Seconds in the curves' units: divided by how fast the machine runs now (`SpeedIndex`).
@@ -265,6 +268,25 @@ class AdaptiveSpeculation:
         # they predict short would move it, and in its units look faster than it ran (measured: drafting at
         # 8 requests 20% ahead of not drafting in index units while it delivered 15-20% less).
         self.controller.arms.observe(requests, q > 0, measured_drafting + measured_outside, requests + accepted)
+
+    def _count_period(self, now: float, requests: int, num_tokens: int, accepted: int, fresh: bool) -> None:
+        """This step in the busy period's sums (`drain.DrainLoss`): its seconds since the last
+        step began, its tokens, and whether the cycle drafted. A step of only new requests
+        after a gap longer than its own forward could take (the engine idled) closes the
+        period before it and opens one; the gap is no step's time."""
+        last, self._period_clock = self._period_clock, now
+        if last is None or requests == 0:
+            return
+        drain = self.controller.drain
+        if fresh:
+            # A prompt step's forward, priced past the curves' last knot in proportion to its tokens.
+            widest = requests * (self.max_k + 1)
+            forecast = self.controller.step_seconds(requests, num_tokens) * max(1.0, num_tokens / widest)
+            if forecast <= 0 or self._prev_end is None or now - self._prev_end > 3.0 * forecast:
+                drain.end_period()
+                return
+        drafted = self._prev_cycle is not None and self._prev_cycle[0] > 0
+        drain.step(requests, drafted, now - last, requests + accepted)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
