@@ -169,3 +169,28 @@ def test_speculation_closes_a_busy_period_when_new_requests_come_after_the_engin
     # Peak 4 at 4 tokens per 10 ms (400 tok/s); the drain: c and d, 2 tokens per 10 ms, for 30 ms,
     # then the peak again (e-h): no drain at the end.
     assert c.drain.lost_tokens(4) == (pytest.approx(4 * 10 + 2 * 3 + 4 * 6), 0.0, 0.0)
+
+
+def test_coasted_steps_reach_the_busy_period_when_their_run_is_folded():
+    """Steps that coast (logged, folded later in one loop) count in the period like any other."""
+    from test_adaptive_speculation import _coasting_spec
+
+    spec = _coasting_spec(max_explore_probability=0.0)  # two requests, plan no draft; one step taken at 0.0
+    drain = spec.controller.drain
+    now, coasted = 0.0, 0
+    for _ in range(8):
+        now += 0.01
+        if spec.coast(now, ["a", "b"], 2):
+            coasted += 1
+            spec.end_coast(now, now + 0.002)
+        else:
+            _step(spec, now, ["a", "b"], 2)
+    assert coasted >= 6
+    now += 0.01
+    _step(spec, now, ["b"], 1)  # a finished: the batch changed, the run is folded first; b drains
+    assert drain._open.peak_steps == 8 and drain._open.tokens == 8 * 2 + 1
+    now += 5.0  # the engine idled; new requests
+    _step(spec, now, ["x", "y"], 30)
+    assert drain.periods_seen == 1
+    # 2 tokens per 10 ms at the peak; the drain made 1 token in 10 ms: 1 lost, no drafting.
+    assert drain.lost_tokens(2) == (pytest.approx(17.0), pytest.approx(1.0), 0.0)
