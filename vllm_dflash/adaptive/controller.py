@@ -25,9 +25,10 @@ Drafting's seconds are also scaled by what its busy periods lost at their
 end, where requests it put out of step finish one by one (`drain`).
 Where the measured tokens per second of drafting and not drafting differ
 beyond their noise (`realized.ArmRates`, drafting's rate scaled by its
-drain), that verdict decides between drafting and not; while the plan is to draft, the curves see drafting ahead
-by less than `probe_margin` and the measurements cannot yet tell, a
-`probe_probability` share of decisions does not draft (a probe).
+drain), that verdict decides between drafting and not; while the plan is to
+draft, the curves see drafting ahead by less than `probe_margin` and the
+measurements cannot yet tell, a `probe_probability` share of decisions does
+not draft (a probe).
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
