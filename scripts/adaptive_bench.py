@@ -5,7 +5,8 @@
 
 Each round runs, for each dtype, `vllm-dflash bench --interleave` with every
 mode (none, static dflash at each --static-k, dflash-adaptive; the order
-rotates from round to round) into PREFIX-<dtype>-all-r<round>/: the engines
+rotates from round to round; a second engine without speculation, none-control,
+unless --no-control) into PREFIX-<dtype>-all-r<round>/: the engines
 are fresh each round and take turns cell by cell, so each ratio compares
 measurements seconds apart (this machine's speed drifts by tens of percent
 over minutes); --sequential runs one `vllm-dflash bench` per mode instead,
@@ -37,11 +38,11 @@ def modes(args, rnd: int = 1) -> list[tuple[str, list[str]]]:
     the order of the modes rotates from round to round)."""
     static = ",".join(str(k) for k in args.static_k)
     if not args.sequential:
-        names = ["none", "dflash", "dflash-adaptive"]
+        names = ["none", "dflash", "dflash-adaptive"] + (["none-control"] if args.control else [])
         shift = (rnd - 1) % len(names)
         return [("all", ["--modes", ",".join(names[shift:] + names[:shift]), "--num-spec-tokens", static,
                          "--interleave"])]
-    return [("none", ["--modes", "none"]),
+    return [("none", ["--modes", "none,none-control" if args.control else "none"]),
             ("static", ["--modes", "dflash", "--num-spec-tokens", static]),
             ("adaptive", ["--modes", "dflash-adaptive", "--num-spec-tokens", str(max(args.static_k))])]
 
@@ -118,6 +119,9 @@ def main() -> int:
                    "requests per in-flight cell")
     p.add_argument("--batching", choices=("in-flight", "waves"), default="in-flight",
                    help="vllm-dflash bench --batching: c requests in flight (default), or batches of c")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="no second engine without speculation (none-control); by default each round runs one, "
+                        "and its ratio to none, shown beside the checks, is the comparison's own noise")
     p.add_argument("--force", action="store_true", help="rerun modes whose results already exist")
     p.add_argument("--sequential", action="store_true",
                    help="one engine at a time, mode after mode (the comparisons then span minutes)")

@@ -55,11 +55,11 @@ def record(args) -> list[dict]:
     adaptive = runner.drafter.adaptive
     original_begin = adaptive.begin
 
-    def begin(now, req_ids, verified, accepted, num_tokens, greedy, eligible):
+    def begin(now, req_ids, verified, accepted, num_tokens, greedy, eligible, **kwargs):
         calls.append({"req_ids": list(req_ids), "verified": np.asarray(verified).tolist(),
                       "accepted": np.asarray(accepted).tolist(), "greedy": np.asarray(greedy).tolist(),
                       "eligible": np.asarray(eligible).tolist()})
-        return original_begin(now, req_ids, verified, accepted, num_tokens, greedy, eligible)
+        return original_begin(now, req_ids, verified, accepted, num_tokens, greedy, eligible, **kwargs)
 
     def record_both(logits):
         margin, _ = draft_confidence(logits, "margin")

@@ -195,6 +195,7 @@ def test_in_flight_caps_the_scheduler_and_restores_it():
 def test_modes_map_to_speculative_config_and_env():
     spec = {"draft": "/d", "eagle3_head": "/e", "num_spec_tokens": 7}
     assert speculative_config({**spec, "mode": "none"}) is None
+    assert speculative_config({**spec, "mode": "none-control"}) is None  # the noise control: none again
     base = {"method": "dflash", "model": "/d", "num_speculative_tokens": 7}
     assert speculative_config({**spec, "mode": "dflash-vllm"}) == base
     assert speculative_config({**spec, "mode": "dflash"}) == {**base, "adaptive": False}
@@ -303,6 +304,8 @@ def test_validation_errors(tiny_pair, tmp_path):
     args = cli.validate(_args(*base, "--modes", "none,dflash,dflash-adaptive,ngram", "--num-spec-tokens", "3,7"))
     assert cli.plan(args) == [("none", None, None), ("dflash", 3, None), ("dflash", 7, None),
                               ("dflash-adaptive", 7, None), ("ngram", 3, None), ("ngram", 7, None)]
+    args = cli.validate(_args(*base, "--modes", "none,dflash-adaptive,none-control", "--num-spec-tokens", "3,7"))
+    assert cli.plan(args) == [("none", None, None), ("dflash-adaptive", 7, None), ("none-control", None, None)]
     assert cli.validate(_args(*base, "--dtype", "float32,bfloat16")).dtypes == ["float32", "bfloat16"]
     with pytest.raises(ValueError, match="--dtype=float32,fp8: choose from auto, float32"):
         cli.validate(_args(*base, "--dtype", "float32,fp8"))

@@ -275,3 +275,52 @@ def test_a_plan_of_no_draft_at_one_request_is_redone_as_its_request_row_fades():
     ids = [f"r{i}" for i in range(16)]
     assert c16.plan(ids, np.full(16, GREEDY)).q == 0  # verifying costs what a step yields: no draft
     assert c16._cache[16].interval == min(c16.refresh_steps, int(c16.prior.fade_steps * 16))
+
+
+def test_switch_pays_compares_finishing_times():
+    """Drafting at 20 tok/s after a 1 s write finishes 40 tokens in 3 s, not drafting at 10 tok/s
+    in 4 s: it pays; 10 tokens take 1.5 s against 1 s: it does not. No write, or requests
+    without a token limit: it pays."""
+    assert BudgetController.switch_pays(10.0, 20.0, 1.0, 40)
+    assert not BudgetController.switch_pays(10.0, 20.0, 1.0, 10)
+    assert BudgetController.switch_pays(10.0, 20.0, 0.0, 10)
+    assert BudgetController.switch_pays(10.0, 20.0, 5.0, None)
+
+
+def test_held_context_keeps_drafting_off_until_the_tokens_left_repay_its_write():
+    """Verification is free and acceptance high, so the plan drafts the maximum; with held
+    context rows to write first (the switch), it drafts only when the requests have enough
+    tokens left for drafting's faster rate to repay that write (`switch_pays`)."""
+    c = controller(lambda r, t: 1e-3, lambda r, t: 1e-5, max_explore_probability=0.0)
+    ids = [f"r{i}" for i in range(4)]
+    give_history(c, ids, high_survival())
+    kinds = np.full(4, GREEDY)
+    switch = {"cost": (0.05, 8)}  # 50 ms of held rows, 8 tokens left: a step makes 4 tokens a ms
+    c.switch_cost = lambda req_ids: switch["cost"]
+    assert c.plan(ids, kinds).q == 0
+    entry = c._cache[4]
+    assert entry.other_q == K and not entry.probe  # a plan turned off by the switch is not probed
+    switch["cost"] = (0.05, 10_000)  # enough tokens left: drafting's rate repays the write
+    c._cache.clear()
+    assert c.plan(ids, kinds).q == K
+    switch["cost"] = (0.05, None)
+    c._cache.clear()
+    assert c.plan(ids, kinds).q == K
+
+
+def test_an_exploration_of_a_no_draft_plan_is_priced_with_the_held_context_it_writes():
+    """A plan that does not draft explores less when its exploring step must first write held
+    context: its exploration cost grows by the write's seconds over the planned step's."""
+    step_cost = lambda r, t: 1e-3 * t  # noqa: E731
+    c = controller(step_cost, lambda r, t: 5e-4 * t)
+    ids = ["a"]
+    give_history(c, ids, np.cumprod(np.full(K, 0.5)))
+    c.plan(ids, np.full(1, GREEDY))
+    plain = c._cache[1]
+    assert plain.q == 0
+    c.switch_cost = lambda req_ids: (0.015, 100)
+    c._cache.clear()
+    c.plan(ids, np.full(1, GREEDY))
+    held = c._cache[1]
+    assert held.explore_cost == pytest.approx(plain.explore_cost + 0.015 / plain.seconds)
+    assert c._explore_probability(held) < c._explore_probability(plain)

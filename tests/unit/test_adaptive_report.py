@@ -73,3 +73,26 @@ def test_markdown_and_plot(tmp_path):
     assert "Overall: PASS" in text and "Machine: Some CPU" in text
     path = rep.plot(collected, result, str(tmp_path / "s.png"))
     assert open(path, "rb").read(8) == PNG_MAGIC
+
+
+def test_control_engine_is_shown_beside_the_checks_not_judged_nor_a_static_k(tmp_path):
+    """A second engine without speculation (none-control) at 0.90x of none: its row shows the
+    comparison's noise, it is not taken for the best static k, and it does not fail the run."""
+    docs = []
+    for r, control in ((1, 90.0), (2, 93.0), (3, 104.0)):
+        d = round_docs(108.0)
+        d["results"] += [cell("none-control", None, "all", conc, control) for conc in (1, 4)]
+        docs.append((r, d))
+    collected = rep.collect(docs)
+    result = rep.evaluate(collected)
+    rows = [c for c in result["checks"] if c["check"].startswith("control")]
+    assert [(c["concurrency"], c["pass"]) for c in rows] == [(1, None), (4, None)]
+    assert rows[0]["ratio"] == pytest.approx(0.93) and rows[0]["rounds"] == pytest.approx([0.90, 0.93, 1.04])
+    best = {c["concurrency"]: c for c in result["checks"] if c["check"] == "vs best static k"}
+    assert best[4]["against"] == "best of dflash k=15, dflash k=3"
+    assert best[4]["ratio"] == pytest.approx(108 / 110)
+    assert result["all_pass"]
+    text = rep.markdown(result)
+    assert "| control: second engine without speculation | float32 | 4 | all | none | 0.93x | 0.90, 0.93, 1.04 | - | shown |" in text
+    assert "Overall: PASS" in text
+    assert open(rep.plot(collected, result, str(tmp_path / "c.png")), "rb").read(8) == PNG_MAGIC

@@ -189,13 +189,14 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     p = object.__new__(proposer_module.DFlashProposer)
     p.model, p.deferred_context = Model(), DeferredContext(max_rows=100)
     p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._held_context_seconds = True, 0.0
+    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
     p._write_context(rows(8, 0, seed=1), hold=True, owners=["gone"] * 8)
     p._write_context(rows(2, 8, seed=2), hold=True, owners=["live"] * 2)
     assert clock[0] == 0.0 and p.deferred_context.rows == 10  # held, nothing written yet
     p._write_context(rows(2, 10, seed=3), hold=False)
     assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
     assert p._held_context_seconds == pytest.approx(2e-3)
+    assert p._context_row_seconds == pytest.approx(1e-3)  # per row written: what the next switch is priced at
 
 
 def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
@@ -212,7 +213,7 @@ def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
     p = object.__new__(proposer_module.DFlashProposer)
     p.model, p.deferred_context = Model(), DeferredContext(max_rows=4)
     p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._held_context_seconds = True, 0.0
+    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
     held, step = rows(3, 0, seed=1), rows(2, 3, seed=2)
     as_blocks = lambda r: r._replace(features=(r.features[:, :4], r.features[:, 4:]))  # noqa: E731
     p._write_context(as_blocks(held), hold=True, owners=["live"] * 3)
@@ -234,3 +235,31 @@ def test_held_rows_on_the_host_fill_a_memory_budget_and_on_a_device_one_step():
     assert max_held_rows(4096, row, on_host=False) == 4096
     assert max_held_rows(4096, 5 * 8192 * 2 * 64, on_host=True) == 4096  # huge rows: the budget still holds
     assert max_held_rows(4096, 0, on_host=True) == 4096
+
+
+def test_switch_cost_prices_the_live_held_rows_and_counts_the_tokens_left():
+    """What turning drafting back on costs (`DFlashProposer._switch_cost`): the held rows of
+    live requests at the measured seconds per row (a finished request's rows are never
+    written), and the output tokens the batch has left; a request without max_tokens makes
+    the tokens left unbounded (None)."""
+    from vllm_dflash.serving import proposer as proposer_module
+
+    def state(max_tokens, produced):
+        return SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens),
+                               output_token_ids=[0] * produced)
+
+    p = object.__new__(proposer_module.DFlashProposer)
+    p.deferred_context = DeferredContext(max_rows=100)
+    p.runner = SimpleNamespace(requests={"a": state(64, 10), "b": state(32, 30)})
+    p._drop_finished_context, p._context_row_seconds = True, None
+    assert p.deferred_context.hold(rows(3, 0, seed=1), owners=["a", "gone", "b"])
+    assert p.deferred_context.hold(rows(2, 3, seed=2), owners=["a", "b"])
+    assert p._switch_cost(["a", "b"]) == (0.0, None)  # no write measured yet: nothing to price
+    p._context_row_seconds = 2e-3
+    seconds, left = p._switch_cost(["a", "b"])
+    assert p.deferred_context.live_rows(p.runner.requests) == 4 and p.deferred_context.live_rows(None) == 5
+    assert seconds == pytest.approx(8e-3) and left == (64 - 10) + (32 - 30)
+    p.runner.requests["b"] = state(None, 30)
+    assert p._switch_cost(["a", "b"]) == (pytest.approx(8e-3), None)
+    p._drop_finished_context = False  # prefix caching: every held row is written
+    assert p._switch_cost(["a"])[0] == pytest.approx(10e-3)

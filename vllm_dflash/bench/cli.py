@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from vllm_dflash.bench import metrics, prompts
-from vllm_dflash.bench.runner import BATCHING, MODES, mode_env
+from vllm_dflash.bench.runner import BATCHING, CONTROL, MODES, mode_env
 from vllm_dflash.machine import describe
 from vllm_dflash.profiler import PROFILE_ENV
 from vllm_dflash.serving.draft_sample import DRAFT_SAMPLE_CHOICES
@@ -27,7 +27,7 @@ from vllm_dflash.serving.draft_sample import DRAFT_SAMPLE_CHOICES
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_TARGET = REPO_ROOT / "models" / "toy-target"
 BUNDLED_DRAFT = REPO_ROOT / "models" / "toy-draft"
-SPEC_MODES = tuple(m for m in MODES if m != "none")
+SPEC_MODES = tuple(m for m in MODES if m not in ("none", CONTROL))
 DFLASH_MODES = ("dflash", "dflash-adaptive", "dflash-vllm")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 MIXED = "mixed"  # the category of interleaved prompts (--mixed); not pooled into "all"
@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     g.add_argument("--modes", default="none,dflash,dflash-vllm,ngram",
                    help=f"comma-separated, from {', '.join(MODES)} (dflash: the plugin drafting k tokens every "
-                        "step; dflash-adaptive: the plugin's default adaptive speculation, k at most)")
+                        "step; dflash-adaptive: the plugin's default adaptive speculation, k at most; none-control: a second "
+                        "engine without speculation, whose ratio to none is the noise of the comparison)")
     g.add_argument("--concurrency", default="1,4,16",
                    help="requests in flight, comma-separated (a finished request is replaced at once, as with "
                         "vllm bench serve --max-concurrency)")
@@ -201,8 +202,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int | None, str | None]]:
     runs: list[tuple[str, int | None, str | None]] = []
     samples = getattr(args, "draft_sample", None) or [None]
     for mode in args.modes:
-        if mode == "none":
-            runs.append(("none", None, None))
+        if mode in ("none", CONTROL):
+            runs.append((mode, None, None))
         elif mode == "dflash-adaptive":  # k is the most per step: the largest k of the sweep
             runs += [(mode, max(args.num_spec_tokens), s) for s in samples]
         elif mode in DFLASH_MODES:

@@ -45,14 +45,19 @@ from vllm_dflash.patches.model_runner import model_runner_of, scheduler_of
 
 # dflash: the plugin drafting k tokens every step (`adaptive: false`); dflash-adaptive:
 # the plugin's default, adaptive speculation with k the most per request and step.
-MODES = ("none", "dflash", "dflash-adaptive", "dflash-vllm", "ngram", "eagle3")
+# none-control: a second engine without speculation, the bar's own noise (`CONTROL`).
+MODES = ("none", "none-control", "dflash", "dflash-adaptive", "dflash-vllm", "ngram", "eagle3")
+# Two identical engines differ in speed by several percent for their whole life (where their
+# memory happens to lie; measured 2-6.5% between two none engines in one process, AVX2 EPYC):
+# a ratio to none within that spread says nothing, and the control shows how wide it is.
+CONTROL = "none-control"
 PLUGIN_MODES = ("dflash", "dflash-adaptive")
 
 
 def speculative_config(spec: dict) -> dict | None:
     """vLLM speculative_config of a mode."""
     mode, k = spec["mode"], spec.get("num_spec_tokens")
-    if mode == "none":
+    if mode in ("none", CONTROL):
         return None
     if mode in PLUGIN_MODES or mode == "dflash-vllm":
         cfg = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": k}

@@ -170,6 +170,12 @@ class DeferredContext:
                 batch = ContextRows(*(t.index_select(0, index.to(t.device)) for t in batch))
         return batch._replace(slots=last_write_per_slot(batch.slots))
 
+    def live_rows(self, live: Container[str] | None) -> int:
+        """How many held rows a `take(live=live)` now would write (all of them without `live`)."""
+        if live is None or not self._rows:
+            return self._rows
+        return sum(n if who is None else sum(r in live for r in who) for n, who in self._owners)
+
     @staticmethod
     def _live_mask(owners: list[tuple[int, list[str] | None]], live: Container[str]) -> torch.Tensor:
         """[held rows] True where the row's request is live (or unknown)."""

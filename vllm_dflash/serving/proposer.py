@@ -119,6 +119,10 @@ class DFlashProposer(DrafterBase):
         # the runner's take_draft_token_ids hands the scheduler nothing for them (patches.serving).
         self.handed_no_drafts: list[list[int]] | None = None
         self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
+        # Seconds per context row of writes that took held rows, averaged over writes (None: none yet).
+        self._context_row_seconds: float | None = None
+        if self.adaptive is not None:
+            self.adaptive.controller.switch_cost = self._switch_cost
         logger.info(
             "vllm-dflash DFlash proposer: draft %s (block_size %d), %s",
             spec.model,
@@ -302,7 +306,30 @@ class DFlashProposer(DrafterBase):
         # The held rows written (dropped ones cost nothing) are what those steps would have paid:
         # their share is not this step's draft time.
         written = rows.features.shape[0]
-        self._held_context_seconds += (time.perf_counter() - t0) * (written - own) / written
+        elapsed = time.perf_counter() - t0
+        self._held_context_seconds += elapsed * (written - own) / written
+        per_row = elapsed / written
+        last = self._context_row_seconds
+        self._context_row_seconds = per_row if last is None else 0.5 * (last + per_row)
+
+    def _switch_cost(self, req_ids: list[str]) -> tuple[float, int | None]:
+        """(seconds the next drafting step would spend on held context rows, output tokens the
+        requests `req_ids` have left, None where one has no limit): what the controller weighs
+        before it turns drafting back on (`BudgetController.switch_pays`)."""
+        held = self.deferred_context.rows
+        if not held or self._context_row_seconds is None or self.runner is None:
+            return 0.0, None
+        requests = self.runner.requests
+        live = requests if self._drop_finished_context else None
+        seconds = self.deferred_context.live_rows(live) * self._context_row_seconds
+        left = 0
+        for req_id in req_ids:
+            state = requests.get(req_id)
+            params = None if state is None else state.sampling_params
+            if params is None or params.max_tokens is None:
+                return seconds, None
+            left += max(params.max_tokens - len(state.output_token_ids), 0)
+        return seconds, left
 
     def propose_unverified_step(
         self,
