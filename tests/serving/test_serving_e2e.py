@@ -242,6 +242,8 @@ def _run_workload(llm, k: int | None, phases) -> dict:
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
         result["dropped_context_rows"] = runner.drafter.deferred_context.dropped_rows
+        result["context_row_seconds"] = runner.drafter._context_row_seconds
+        result["switch_cost_wired"] = runner.drafter.adaptive.controller.switch_cost == runner.drafter._switch_cost
     return result
 
 
@@ -476,6 +478,8 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
         # and (all but its first step, which verified the last drafts) it skipped vLLM's drafting
         # glue, its context held back until drafting resumed
         assert run["unverified_steps_batch8"] >= PAUSE[1] - PAUSE[0] - 1
+        # the write of the held rows was timed: the controller prices the next switch to drafting by it
+        assert run["switch_cost_wired"] and run["context_row_seconds"] > 0
 
 
 def test_steps_without_drafts_run_plain(plugin, adaptive):

@@ -263,3 +263,28 @@ def test_switch_cost_prices_the_live_held_rows_and_counts_the_tokens_left():
     assert p._switch_cost(["a", "b"]) == (pytest.approx(8e-3), None)
     p._drop_finished_context = False  # prefix caching: every held row is written
     assert p._switch_cost(["a"])[0] == pytest.approx(10e-3)
+
+
+def test_a_full_queue_drops_finished_requests_rows_and_holds_on():
+    """Six rows fit. a holds 3, b 2; a finishes. c's 2 rows would overflow: the rows of a
+    (not live) are dropped first, which leaves room (4 of 6 rows, within the 3/4 kept free
+    of compaction's churn), so c is held; the cache written later is what per-step writes
+    leave at b's and c's slots, a's never written. Where compaction frees too little, the
+    queue refuses (the caller writes everything), as without `live`."""
+    a, b, c = rows(3, 0, seed=1), rows(2, 4, seed=2), rows(2, 0, seed=3)  # c reuses a's slots 0, 1
+    queue = DeferredContext(max_rows=6)
+    assert queue.hold(a, owners=["a"] * 3) and queue.hold(b, owners=["b"] * 2)
+    assert not queue.hold(c, owners=["c"] * 2)  # no live set: a full queue refuses
+    assert queue.hold(c, owners=["c"] * 2, live={"b", "c"})
+    assert queue.rows == 4 and queue.dropped_rows == 3
+    per_step, batched = torch.zeros(8, 6), torch.zeros(8, 6)
+    for step in (a, b, c):
+        write(per_step, step)
+    write(batched, queue.take(live={"b", "c"}))
+    for slot in (0, 1, 4, 5):
+        assert torch.equal(batched[slot], per_step[slot]), slot
+    assert not batched[2].any()  # a's last row: dropped, never written
+    full = DeferredContext(max_rows=6)
+    assert full.hold(rows(5, 0, seed=4), owners=["x"] * 4 + ["gone"])
+    assert not full.hold(rows(2, 5, seed=5), owners=["x"] * 2, live={"x"})  # 4 + 2 rows > 3/4 of 6
+    assert full.rows == 4 and full.take(live={"x"}).slots.tolist() == [0, 1, 2, 3]

@@ -18,8 +18,9 @@ have left:
 
 At most `max_rows` rows wait (`max_held_rows`: the engine's token budget per
 step, what a single step's features already occupy; in host memory, as many
-as `HOST_BYTES` hold); a step that would overflow writes the queue and itself
-at once.
+as `HOST_BYTES` hold); a step that would overflow first drops the rows of
+finished requests (`compact`), and if that leaves too little room writes the
+queue and itself at once.
 
 The rows wait in one buffer per field, grown by doubling and kept (in host
 memory allocated whole and touched at the first hold: `prefault`): a queue of
@@ -49,7 +50,11 @@ from typing import NamedTuple
 import torch
 
 
-HOST_BYTES = 16 << 20
+HOST_BYTES = 64 << 20
+# A full queue first drops the rows of requests that finished (`hold(live=...)`); it keeps holding
+# only if that leaves this share of it free, else everything is written (compacting a queue of
+# mostly live rows every step would cost more than it saves).
+COMPACT_FREE_SHARE = 0.25
 
 
 def max_held_rows(token_budget: int, row_bytes: int, on_host: bool) -> int:
@@ -63,9 +68,12 @@ def max_held_rows(token_budget: int, row_bytes: int, on_host: bool) -> int:
     queue's buffer is touched page by page as it first fills: at 128 MiB (float32, 32
     requests) growing it cost 0.16-0.57 ms a step without drafting for the first
     ~800 steps (25-77 page faults a step, and the doubling copies), against 0.04 ms
-    once grown; 16 MiB still holds 256 such steps. The host queue is now touched whole at
-    its first hold (`DeferredContext(prefault=True)`): 16 MiB took 4.7 ms once (float32,
-    the bundled pair's 2 KB rows: 8192 rows)."""
+    once grown. The host queue is now touched whole at its first hold
+    (`DeferredContext(prefault=True)`): 16 MiB took 4.7 ms once (float32, the bundled
+    pair's 2 KB rows: 8192 rows), so the budget is now 64 MiB (zeroing it: 40 ms once on an
+    AVX2 EPYC). With a full queue compacted (`hold(live=...)`), rows are written while
+    nothing drafts only when the live requests' own rows fill it: at 32 requests of ~100
+    context tokens each, 16 MiB held about 100 steps, and each flush wrote ~40% of it."""
     if not on_host or row_bytes <= 0:
         return token_budget
     return max(token_budget, HOST_BYTES // row_bytes)
@@ -131,17 +139,24 @@ class DeferredContext:
     def capacity(self) -> int:
         return 0 if self._buffers is None else self._buffers.slots.shape[0]
 
-    def hold(self, rows: ContextRows, owners: list[str] | None = None) -> bool:
+    def hold(self, rows: ContextRows, owners: list[str] | None = None, live: Container[str] | None = None) -> bool:
         """Copy `rows` into the queue (the runner reuses its buffers, the target its
         hidden states; `owners`: each row's request id, None when unknown: never
         dropped); False, queueing nothing, when the queue would pass `max_rows`:
-        write now, with `take()`."""
+        write now, with `take()`. With `live`, a full queue first drops the rows of
+        requests no longer in it (`compact`) and holds on if that freed enough."""
         blocks = _feature_blocks(rows.features)
         n = blocks[0].shape[0]
-        if self._rows + n > self.max_rows or rows.positions.dim() != 1:  # (M-RoPE positions: write now)
+        if rows.positions.dim() != 1:  # (M-RoPE positions: write now)
             return False
         if owners is not None and len(owners) != n:
             raise ValueError(f"DeferredContext.hold: {len(owners)} owners for {n} rows")
+        if self._rows + n > self.max_rows:
+            if live is None:
+                return False
+            self.compact(live)
+            if self._rows + n > (1.0 - COMPACT_FREE_SHARE) * self.max_rows:
+                return False
         self._append(blocks, rows.positions, rows.slots)
         self._owners.append((n, owners))
         return True
@@ -169,6 +184,31 @@ class DeferredContext:
                 index = torch.cat([torch.nonzero(keep).flatten(), torch.arange(held, total)])
                 batch = ContextRows(*(t.index_select(0, index.to(t.device)) for t in batch))
         return batch._replace(slots=last_write_per_slot(batch.slots))
+
+    def compact(self, live: Container[str]) -> int:
+        """Drop the held rows of requests not in `live` now, the others kept in order (what
+        `take(live=live)` would write is unchanged); returns the rows dropped."""
+        if not self._rows:
+            return 0
+        keep = self._live_mask(self._owners, live)
+        kept = int(keep.sum())
+        dropped = self._rows - kept
+        if dropped == 0:
+            return 0
+        index = torch.nonzero(keep).flatten()
+        for buffer in self._buffers:
+            buffer[:kept] = buffer[:self._rows].index_select(0, index.to(buffer.device))
+        owners = []
+        for n, who in self._owners:
+            if who is None:
+                owners.append((n, None))
+            else:
+                still = [r for r in who if r in live]
+                if still:
+                    owners.append((len(still), still))
+        self._owners, self._rows = owners, kept
+        self.dropped_rows += dropped
+        return dropped
 
     def live_rows(self, live: Container[str] | None) -> int:
         """How many held rows a `take(live=live)` now would write (all of them without `live`)."""

@@ -290,7 +290,10 @@ class DFlashProposer(DrafterBase):
         queued before (`serving.context_queue`: rows of requests finished meanwhile are
         dropped where nothing can read them); or, with `hold` (this step drafts nothing),
         queue them while the queue has room (`owners`: each row's request id)."""
-        if hold and self.deferred_context.hold(rows, owners):
+        # runner.requests: every request the runner still holds state for (finished ones are popped
+        # at the start of the step, before drafting); preempted ones stay in it.
+        live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
+        if hold and self.deferred_context.hold(rows, owners, live):
             return
         if not self.deferred_context.rows:
             rows = joined(rows)
@@ -298,9 +301,6 @@ class DFlashProposer(DrafterBase):
             return
         t0 = time.perf_counter()
         own = rows.slots.shape[0]
-        # runner.requests: every request the runner still holds state for (finished ones are popped
-        # at the start of the step, before drafting); preempted ones stay in it.
-        live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
         rows = self.deferred_context.take(rows, live)
         self.model.store_context_kv(rows.features, rows.positions, rows.slots)
         # The held rows written (dropped ones cost nothing) are what those steps would have paid:
