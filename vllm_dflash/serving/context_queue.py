@@ -190,22 +190,22 @@ class DeferredContext:
         `take(live=live)` would write is unchanged); returns the rows dropped."""
         if not self._rows:
             return 0
-        keep = self._live_mask(self._owners, live)
-        kept = int(keep.sum())
+        flags = self._live_flags(self._owners, live)
+        kept = sum(flags)
         dropped = self._rows - kept
         if dropped == 0:
             return 0
-        index = torch.nonzero(keep).flatten()
+        index = torch.nonzero(torch.tensor(flags, dtype=torch.bool)).flatten()
         for buffer in self._buffers:
             buffer[:kept] = buffer[:self._rows].index_select(0, index.to(buffer.device))
-        owners = []
+        owners, row = [], 0
         for n, who in self._owners:
+            mine, row = flags[row:row + n], row + n
             if who is None:
                 owners.append((n, None))
-            else:
-                still = [r for r in who if r in live]
-                if still:
-                    owners.append((len(still), still))
+            elif any(mine):
+                still = [r for r, alive in zip(who, mine) if alive]
+                owners.append((len(still), still))
         self._owners, self._rows = owners, kept
         self.dropped_rows += dropped
         return dropped
@@ -214,15 +214,20 @@ class DeferredContext:
         """How many held rows a `take(live=live)` now would write (all of them without `live`)."""
         if live is None or not self._rows:
             return self._rows
-        return sum(n if who is None else sum(r in live for r in who) for n, who in self._owners)
+        return sum(self._live_flags(self._owners, live))
 
     @staticmethod
-    def _live_mask(owners: list[tuple[int, list[str] | None]], live: Container[str]) -> torch.Tensor:
-        """[held rows] True where the row's request is live (or unknown)."""
+    def _live_flags(owners: list[tuple[int, list[str] | None]], live: Container[str]) -> list[bool]:
+        """Per held row, True where its request is live (or unknown)."""
         flags: list[bool] = []
         for n, who in owners:
             flags.extend([True] * n if who is None else [r in live for r in who])
-        return torch.tensor(flags, dtype=torch.bool)
+        return flags
+
+    @classmethod
+    def _live_mask(cls, owners: list[tuple[int, list[str] | None]], live: Container[str]) -> torch.Tensor:
+        """`_live_flags` as a [held rows] bool tensor."""
+        return torch.tensor(cls._live_flags(owners, live), dtype=torch.bool)
 
     def _append(self, blocks: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         n, start = blocks[0].shape[0], self._rows

@@ -324,12 +324,19 @@ class DFlashProposer(DrafterBase):
         seconds = self.deferred_context.live_rows(live) * self._context_row_seconds
         left = 0
         for req_id in req_ids:
-            state = requests.get(req_id)
-            params = None if state is None else state.sampling_params
-            if params is None or params.max_tokens is None:
+            tokens = self._tokens_left(requests.get(req_id))
+            if tokens is None:
                 return seconds, None
-            left += max(params.max_tokens - len(state.output_token_ids), 0)
+            left += max(tokens, 0)
         return seconds, left
+
+    @staticmethod
+    def _tokens_left(state) -> int | None:
+        """Output tokens a runner request state has left before max_tokens (None: no limit)."""
+        params = None if state is None else state.sampling_params
+        if params is None or params.max_tokens is None:
+            return None
+        return params.max_tokens - len(state.output_token_ids)
 
     def propose_unverified_step(
         self,
@@ -456,12 +463,11 @@ class DFlashProposer(DrafterBase):
         requests = self.runner.requests
         useful = []  # Python ints: this runs every drafting step, where each numpy call counts
         for req_id, done in zip(req_ids, accepted.tolist()):
-            state = requests.get(req_id)
-            params = None if state is None else state.sampling_params
-            if params is None or params.max_tokens is None:
+            tokens = self._tokens_left(requests.get(req_id))
+            if tokens is None:
                 useful.append(k)
             else:
-                left = params.max_tokens - len(state.output_token_ids) - 1 - done
+                left = tokens - 1 - done
                 useful.append(min(max(left - 1, 0), k))
         return np.array(useful, dtype=np.int64)
 
