@@ -182,3 +182,21 @@ def test_predicted_seconds_are_positive_under_heavy_noise():
         for r in (1, 2, 3, 5, 8, 17, 32, 64):
             pred = cost.predict(r, 1.0 + np.arange(15 * r + 1) / r)
             assert np.isfinite(pred).all() and (pred > 0).all(), (r, pred.min())
+
+
+def test_not_ready_while_split_observations_leave_every_cell_short_of_min_weight():
+    """One step at 5 requests (between the knots 4 and 6) and 1.5 tokens each splits its
+    weight into four quarters, none reaching min_weight (0.5): no row has a curve, so the
+    surface is not ready, and predict says so instead of failing inside the interpolation
+    (it raised IndexError in a serving step). A third such step makes it ready (two quarters
+    fall just short of a half: the older one has faded by its memory)."""
+    c = StepCost(16, 64)
+    c.observe(5, 1.5, 0.01)
+    assert c.observations == 1 and not c.ready
+    with pytest.raises(RuntimeError, match="check .ready"):
+        c.predict(5, [1.0, 2.0])
+    c.observe(5, 1.5, 0.01)
+    assert not c.ready
+    c.observe(5, 1.5, 0.01)
+    assert c.ready
+    assert c.predict(5, [1.0, 2.0]) == pytest.approx([0.01, 0.01])

@@ -121,7 +121,14 @@ class StepCost:
 
     @property
     def ready(self) -> bool:
-        return self.observations > 0
+        """predict() can answer: some cell holds `min_weight` of evidence. An observation
+        between knots splits its weight among up to four cells, so the first ones may leave
+        every cell short of it (one step at 5 requests and 1.5 tokens each: four quarters),
+        and no row has a curve yet. Counting observations instead crashed a serving step
+        (IndexError in `_across_rows`, under chunked prefill with a small token budget)."""
+        if self._queued:
+            self.fold_queued()
+        return bool((self.weight >= self.min_weight).any())
 
     def _r_corners(self, requests: float) -> list[tuple[int, float]]:
         x = min(max(requests, 1.0), self.r_knots[-1])
@@ -213,7 +220,8 @@ class StepCost:
     def predict(self, requests: int, tokens_per_request) -> np.ndarray:
         """Seconds for `requests` requests at each tokens-per-request value (array)."""
         if not self.ready:
-            raise RuntimeError("StepCost.predict before any observation; check .ready")
+            raise RuntimeError("StepCost.predict before any observation (or before any cell holds min_weight "
+                               "of evidence); check .ready")
         if self._queued:
             self.fold_queued()
         t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
