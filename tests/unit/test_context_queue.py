@@ -190,6 +190,7 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     p.model, p.deferred_context = Model(), DeferredContext(max_rows=100)
     p.runner = SimpleNamespace(requests={"live": object()})
     p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
+    p._prompt_rows = 0
     p._write_context(rows(8, 0, seed=1), hold=True, owners=["gone"] * 8)
     p._write_context(rows(2, 8, seed=2), hold=True, owners=["live"] * 2)
     assert clock[0] == 0.0 and p.deferred_context.rows == 10  # held, nothing written yet
@@ -197,6 +198,43 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
     assert p._held_context_seconds == pytest.approx(2e-3)
     assert p._context_row_seconds == pytest.approx(1e-3)  # per row written: what the next switch is priced at
+
+
+def test_prompt_rows_share_of_a_context_write_is_left_out_of_the_draft_time(monkeypatch):
+    """A step's prompt-chunk rows cost context time whatever q is, so their share is not
+    draft time: held (a step without drafting) or written with the step's own rows and
+    the held ones. 3 prompt rows of 4 held in 4 ms: 3 ms; then 2 held rows, 1 decode row
+    and 1 prompt row written in 4 ms: 2 ms for the held rows, 1 ms for the prompt row."""
+    from vllm_dflash.serving import proposer as proposer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: clock[0])
+
+    class Model:
+        def store_context_kv(self, features, positions, slots):
+            clock[0] += 1e-3 * features.shape[0]
+
+    class Queue(DeferredContext):
+        def hold(self, rows, owners=None, live=None):
+            clock[0] += 1e-3 * rows.slots.shape[0]  # 1 ms per row held
+            return super().hold(rows, owners, live)
+
+    p = object.__new__(proposer_module.DFlashProposer)
+    p.model, p.deferred_context = Model(), Queue(max_rows=100)
+    p.runner = SimpleNamespace(requests={"live": object()})
+    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
+    p._prompt_rows = 3
+    p._write_context(rows(4, 0, seed=1), hold=True, owners=["live"] * 4)
+    assert p._held_context_seconds == pytest.approx(3e-3)
+    p._held_context_seconds, p.deferred_context = 0.0, DeferredContext(max_rows=100)
+    assert p.deferred_context.hold(rows(2, 4, seed=2), owners=["live"] * 2)
+    p._prompt_rows = 1
+    p._write_context(rows(2, 6, seed=3), hold=False)
+    assert clock[0] == pytest.approx(8e-3)
+    assert p._held_context_seconds == pytest.approx(3e-3)
+    p._held_context_seconds, p._prompt_rows = 0.0, 0  # a decode step writing alone: all draft time
+    p._write_context(rows(2, 8, seed=4), hold=False)
+    assert p._held_context_seconds == 0.0
 
 
 def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
@@ -214,6 +252,7 @@ def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
     p.model, p.deferred_context = Model(), DeferredContext(max_rows=4)
     p.runner = SimpleNamespace(requests={"live": object()})
     p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
+    p._prompt_rows = 0
     held, step = rows(3, 0, seed=1), rows(2, 3, seed=2)
     as_blocks = lambda r: r._replace(features=(r.features[:, :4], r.features[:, 4:]))  # noqa: E731
     p._write_context(as_blocks(held), hold=True, owners=["live"] * 3)

@@ -118,7 +118,10 @@ class DFlashProposer(DrafterBase):
         # The draft lists propose_unverified_step last returned, all empty (None: it returned none):
         # the runner's take_draft_token_ids hands the scheduler nothing for them (patches.serving).
         self.handed_no_drafts: list[list[int]] | None = None
-        self._held_context_seconds = 0.0  # this step's time writing context held back by earlier steps
+        # This step's seconds of context work any q would have paid: rows held back by earlier steps,
+        # and the rows of its prompt chunks (`_write_context`). Left out of the draft-time sample.
+        self._held_context_seconds = 0.0
+        self._prompt_rows = 0  # context rows of this step that are prompt tokens (set by _begin_adaptive)
         # Seconds per context row of writes that took held rows, averaged over writes (None: none yet).
         self._context_row_seconds: float | None = None
         if self.adaptive is not None:
@@ -289,18 +292,27 @@ class DFlashProposer(DrafterBase):
         """Write the context K/V of `rows` now, with whatever steps without drafting
         queued before (`serving.context_queue`: rows of requests finished meanwhile are
         dropped where nothing can read them); or, with `hold` (this step drafts nothing),
-        queue them while the queue has room (`owners`: each row's request id)."""
+        queue them while the queue has room (`owners`: each row's request id).
+
+        The time spent on held rows and on the step's prompt rows is not the draft time
+        D(R, q + 1) of a decode step (`_held_context_seconds`). Counted in it, the first
+        step of a fresh engine given 64 prompts made D(64, 1) 42 ms (2 ms without the
+        prompt rows); as the only sample there it priced not drafting above drafting
+        until the measured arms overruled it: 0.76x of no speculation over the first
+        192 requests (float32, bundled pair, AVX2 EPYC)."""
         # runner.requests: every request the runner still holds state for (finished ones are popped
         # at the start of the step, before drafting); preempted ones stay in it.
         live = self.runner.requests if self._drop_finished_context and self.runner is not None else None
+        own = rows.slots.shape[0]
+        t0 = time.perf_counter()
         if hold and self.deferred_context.hold(rows, owners, live):
+            self._charge_prompt_rows(time.perf_counter() - t0, own)
             return
         if not self.deferred_context.rows:
             rows = joined(rows)
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
+            self._charge_prompt_rows(time.perf_counter() - t0, own)
             return
-        t0 = time.perf_counter()
-        own = rows.slots.shape[0]
         rows = self.deferred_context.take(rows, live)
         self.model.store_context_kv(rows.features, rows.positions, rows.slots)
         # The held rows written (dropped ones cost nothing) are what those steps would have paid:
@@ -308,9 +320,16 @@ class DFlashProposer(DrafterBase):
         written = rows.features.shape[0]
         elapsed = time.perf_counter() - t0
         self._held_context_seconds += elapsed * (written - own) / written
+        self._charge_prompt_rows(elapsed * own / written, own)
         per_row = elapsed / written
         last = self._context_row_seconds
         self._context_row_seconds = per_row if last is None else 0.5 * (last + per_row)
+
+    def _charge_prompt_rows(self, seconds: float, own: int) -> None:
+        """The prompt rows' share of `seconds` spent on this step's `own` context rows, left
+        out of the draft time (any q pays for a prompt's context)."""
+        if self._prompt_rows and own:
+            self._held_context_seconds += seconds * min(self._prompt_rows, own) / own
 
     def _switch_cost(self, req_ids: list[str]) -> tuple[float, int | None]:
         """(seconds the next drafting step would spend on held context rows, output tokens the
@@ -369,6 +388,7 @@ class DFlashProposer(DrafterBase):
         t0 = self._step_clock()
         req_ids = self.runner.input_batch.req_ids[:batch_size]
         coasting = self._tp_size == 1 and self.adaptive.coast(t0, req_ids, num_tokens)
+        self._prompt_rows = 0  # a coasting step is plain decode; _begin_adaptive counts the others
         if not coasting:
             q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True, t0=t0)
             if q > 0:
@@ -450,6 +470,8 @@ class DFlashProposer(DrafterBase):
             for row in sampling_metadata.generators:
                 if row < batch_size and not greedy[row]:
                     eligible[row] = False
+        # Rows beyond one token per request and its verified drafts are prompt-chunk rows.
+        self._prompt_rows = max(num_tokens - batch_size - int(verified.sum()), 0)
         plan = adaptive.begin(t0, req_ids, verified, accepted, num_tokens, greedy, eligible,
                               useful=self._useful_drafts(req_ids, accepted))
         return self._same_on_every_rank(plan.q)
