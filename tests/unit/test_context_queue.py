@@ -171,6 +171,19 @@ def test_rows_without_owners_or_without_live_are_all_written():
     assert queue.take(live=set()) is None and queue.dropped_rows == 2
 
 
+def _writing_proposer(model, queue: DeferredContext):
+    """A DFlashProposer with only what `_write_context` reads: the draft model's context
+    store, the queue, one live request, no step time counted yet and no prompt rows."""
+    from vllm_dflash.serving import proposer as proposer_module
+
+    p = object.__new__(proposer_module.DFlashProposer)
+    p.model, p.deferred_context = model, queue
+    p.runner = SimpleNamespace(requests={"live": object()})
+    p._drop_finished_context, p._not_drafting_seconds, p._context_row_seconds = True, 0.0, None
+    p._prompt_rows = 0
+    return p
+
+
 def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     """A drafting step writes the held rows with its own: the held rows' share of that time
     belongs to the steps that held them, not to this step's draft time. Rows of finished
@@ -186,17 +199,13 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
         def store_context_kv(self, features, positions, slots):
             clock[0] += 1e-3 * features.shape[0]  # 1 ms per row written
 
-    p = object.__new__(proposer_module.DFlashProposer)
-    p.model, p.deferred_context = Model(), DeferredContext(max_rows=100)
-    p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
-    p._prompt_rows = 0
+    p = _writing_proposer(Model(), DeferredContext(max_rows=100))
     p._write_context(rows(8, 0, seed=1), hold=True, owners=["gone"] * 8)
     p._write_context(rows(2, 8, seed=2), hold=True, owners=["live"] * 2)
     assert clock[0] == 0.0 and p.deferred_context.rows == 10  # held, nothing written yet
     p._write_context(rows(2, 10, seed=3), hold=False)
     assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
-    assert p._held_context_seconds == pytest.approx(2e-3)
+    assert p._not_drafting_seconds == pytest.approx(2e-3)
     assert p._context_row_seconds == pytest.approx(1e-3)  # per row written: what the next switch is priced at
 
 
@@ -219,40 +228,31 @@ def test_prompt_rows_share_of_a_context_write_is_left_out_of_the_draft_time(monk
             clock[0] += 1e-3 * rows.slots.shape[0]  # 1 ms per row held
             return super().hold(rows, owners, live)
 
-    p = object.__new__(proposer_module.DFlashProposer)
-    p.model, p.deferred_context = Model(), Queue(max_rows=100)
-    p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
+    p = _writing_proposer(Model(), Queue(max_rows=100))
     p._prompt_rows = 3
     p._write_context(rows(4, 0, seed=1), hold=True, owners=["live"] * 4)
-    assert p._held_context_seconds == pytest.approx(3e-3)
-    p._held_context_seconds, p.deferred_context = 0.0, DeferredContext(max_rows=100)
+    assert p._not_drafting_seconds == pytest.approx(3e-3)
+    p._not_drafting_seconds, p.deferred_context = 0.0, DeferredContext(max_rows=100)
     assert p.deferred_context.hold(rows(2, 4, seed=2), owners=["live"] * 2)
     p._prompt_rows = 1
     p._write_context(rows(2, 6, seed=3), hold=False)
     assert clock[0] == pytest.approx(8e-3)
-    assert p._held_context_seconds == pytest.approx(3e-3)
-    p._held_context_seconds, p._prompt_rows = 0.0, 0  # a decode step writing alone: all draft time
+    assert p._not_drafting_seconds == pytest.approx(3e-3)
+    p._not_drafting_seconds, p._prompt_rows = 0.0, 0  # a decode step writing alone: all draft time
     p._write_context(rows(2, 8, seed=4), hold=False)
-    assert p._held_context_seconds == 0.0
+    assert p._not_drafting_seconds == 0.0
 
 
 def test_a_full_queue_writes_per_layer_blocks_with_the_held_rows(monkeypatch):
     """A step without drafting hands its rows as per-layer blocks; when the queue is full
     they are written at once, after the held rows, as one batch."""
-    from vllm_dflash.serving import proposer as proposer_module
-
     written = []
 
     class Model:
         def store_context_kv(self, features, positions, slots):
             written.append((features.clone(), slots.clone()))
 
-    p = object.__new__(proposer_module.DFlashProposer)
-    p.model, p.deferred_context = Model(), DeferredContext(max_rows=4)
-    p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._held_context_seconds, p._context_row_seconds = True, 0.0, None
-    p._prompt_rows = 0
+    p = _writing_proposer(Model(), DeferredContext(max_rows=4))
     held, step = rows(3, 0, seed=1), rows(2, 3, seed=2)
     as_blocks = lambda r: r._replace(features=(r.features[:, :4], r.features[:, 4:]))  # noqa: E731
     p._write_context(as_blocks(held), hold=True, owners=["live"] * 3)

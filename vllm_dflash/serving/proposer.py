@@ -120,7 +120,7 @@ class DFlashProposer(DrafterBase):
         self.handed_no_drafts: list[list[int]] | None = None
         # This step's seconds of context work any q would have paid: rows held back by earlier steps,
         # and the rows of its prompt chunks (`_write_context`). Left out of the draft-time sample.
-        self._held_context_seconds = 0.0
+        self._not_drafting_seconds = 0.0
         self._prompt_rows = 0  # context rows of this step that are prompt tokens (set by _begin_adaptive)
         # Seconds per context row of writes that took held rows, averaged over writes (None: none yet).
         self._context_row_seconds: float | None = None
@@ -295,7 +295,7 @@ class DFlashProposer(DrafterBase):
         queue them while the queue has room (`owners`: each row's request id).
 
         The time spent on held rows and on the step's prompt rows is not the draft time
-        D(R, q + 1) of a decode step (`_held_context_seconds`). Counted in it, the first
+        D(R, q + 1) of a decode step (`_not_drafting_seconds`). Counted in it, the first
         step of a fresh engine given 64 prompts made D(64, 1) 42 ms (2 ms without the
         prompt rows); as the only sample there it priced not drafting above drafting
         until the measured arms overruled it: 0.76x of no speculation over the first
@@ -319,7 +319,7 @@ class DFlashProposer(DrafterBase):
         # their share is not this step's draft time.
         written = rows.features.shape[0]
         elapsed = time.perf_counter() - t0
-        self._held_context_seconds += elapsed * (written - own) / written
+        self._not_drafting_seconds += elapsed * (written - own) / written
         self._charge_prompt_rows(elapsed * own / written, own)
         per_row = elapsed / written
         last = self._context_row_seconds
@@ -329,7 +329,7 @@ class DFlashProposer(DrafterBase):
         """The prompt rows' share of `seconds` spent on this step's `own` context rows, left
         out of the draft time (any q pays for a prompt's context)."""
         if self._prompt_rows and own:
-            self._held_context_seconds += seconds * min(self._prompt_rows, own) / own
+            self._not_drafting_seconds += seconds * min(self._prompt_rows, own) / own
 
     def _switch_cost(self, req_ids: list[str]) -> tuple[float, int | None]:
         """(seconds the next drafting step would spend on held context rows, output tokens the
@@ -400,8 +400,8 @@ class DFlashProposer(DrafterBase):
         self.last_draft_probs = None
         self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
         if coasting:
-            self.adaptive.end_coast(t0, time.perf_counter(), not_drafting=self._held_context_seconds)
-            self._held_context_seconds = 0.0
+            self.adaptive.end_coast(t0, time.perf_counter(), not_drafting=self._not_drafting_seconds)
+            self._not_drafting_seconds = 0.0
             drafts = [[] for _ in range(batch_size)]
         else:
             drafts = self._finish_adaptive(self.last_draft_block, None)
@@ -511,8 +511,8 @@ class DFlashProposer(DrafterBase):
             feature, prior = (c.cpu().numpy() for c in conf)
             budgets = adaptive.choose(time.perf_counter(), feature, prior)
             out = [row[:b] for row, b in zip(drafts.tolist(), budgets.tolist())]
-        adaptive.end(time.perf_counter(), not_drafting=self._held_context_seconds)
-        self._held_context_seconds = 0.0
+        adaptive.end(time.perf_counter(), not_drafting=self._not_drafting_seconds)
+        self._not_drafting_seconds = 0.0
         return out
 
     def _same_on_every_rank(self, q: int) -> int:
