@@ -226,6 +226,8 @@ def test_exploring_a_full_block_plan_is_priced_by_the_output_it_forgoes():
     forgone = 1.0 - values[0] / values[K]
     assert 0.6 < forgone < 0.9
     assert c._explore_probability(entry) == pytest.approx(0.01 / forgone, rel=1e-6)
+    # Each exploration is a run of probe_steps steps that draft nothing: it starts that many times less often.
+    assert c._explore_start(entry) == pytest.approx(0.01 / forgone / c.probe_steps, rel=1e-6)
     # A plan that drafts nothing still prices exploring as the longer blocks' extra seconds.
     c0 = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.05,
                     explore_time_share=0.01)
@@ -275,6 +277,20 @@ def test_a_plan_of_no_draft_at_one_request_is_redone_as_its_request_row_fades():
     ids = [f"r{i}" for i in range(16)]
     assert c16.plan(ids, np.full(16, GREEDY)).q == 0  # verifying costs what a step yields: no draft
     assert c16._cache[16].interval == min(c16.refresh_steps, int(c16.prior.fade_steps * 16))
+    # Requests without rows of their own (none drafted lately): nothing fades, and the same plan
+    # is trusted twice as long at each replan, up to 4 x refresh_steps, past R x fade_steps.
+    c4 = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.0)
+    ids4, kinds4 = [f"r{i}" for i in range(4)], np.full(4, GREEDY)
+    assert not c4.prior.fading(ids4)
+    for _ in range(200):
+        assert c4.plan(ids4, kinds4).q == 0
+    assert c4._cache[4].interval == 4 * c4.refresh_steps > c4.prior.fade_steps * 4
+    c4.prior.record(ids4[:1], kinds4[:1], np.cumprod(np.full(K, 0.02))[None, :])  # one request's own poor row
+    assert c4.prior.fading(ids4)
+    c4._cache.clear()
+    for _ in range(200):
+        c4.plan(ids4, kinds4)
+    assert c4._cache[4].interval <= c4.prior.fade_steps * 4
 
 
 def test_switch_pays_compares_finishing_times():

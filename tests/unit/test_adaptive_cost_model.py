@@ -185,18 +185,33 @@ def test_predicted_seconds_are_positive_under_heavy_noise():
 
 
 def test_not_ready_while_split_observations_leave_every_cell_short_of_min_weight():
-    """One step at 5 requests (between the knots 4 and 6) and 1.5 tokens each splits its
+    """One step at 5 requests (between the knots 4 and 6) and 2.5 tokens each splits its
     weight into four quarters, none reaching min_weight (0.5): no row has a curve, so the
     surface is not ready, and predict says so instead of failing inside the interpolation
     (it raised IndexError in a serving step). A third such step makes it ready (two quarters
     fall just short of a half: the older one has faded by its memory)."""
     c = StepCost(16, 64)
-    c.observe(5, 1.5, 0.01)
+    c.observe(5, 2.5, 0.01)
     assert c.observations == 1 and not c.ready
     with pytest.raises(RuntimeError, match="check .ready"):
         c.predict(5, [1.0, 2.0])
-    c.observe(5, 1.5, 0.01)
+    c.observe(5, 2.5, 0.01)
     assert not c.ready
-    c.observe(5, 1.5, 0.01)
+    c.observe(5, 2.5, 0.01)
     assert c.ready
     assert c.predict(5, [1.0, 2.0]) == pytest.approx([0.01, 0.01])
+
+
+def test_a_step_where_some_requests_verified_drafts_is_no_sample_of_the_no_draft_step():
+    """At 4 requests, one verified draft makes 1.25 tokens a request: the step pays the
+    drafting regime's fixed part (4.5 ms here against 2 ms without drafts). It weighs on
+    t = 2 alone; split by distance, three quarters of it had gone to t = 1, and steps with
+    a few verified drafts priced not drafting at most of a verifying step."""
+    c = StepCost(16, 8)
+    for _ in range(20):
+        c.observe(4, 1.0, 2e-3)
+        c.observe(4, 2.0, 5e-3)
+    for _ in range(40):
+        c.observe(4, 1.25, 4.5e-3)
+    assert c.predict(4, [1.0])[0] == pytest.approx(2e-3, rel=1e-6)
+    assert 4.5e-3 < c.predict(4, [2.0])[0] < 5e-3

@@ -310,6 +310,10 @@ def test_close_curves_probe_the_other_arm_and_the_measured_arms_decide():
     probes = [p for p in reasons if p.reason == PROBE]
     assert all(p.q == 0 for p in probes)
     assert len(probes) / len(reasons) == pytest.approx(c.probe_probability, abs=0.03)
+    # in runs of probe_steps steps without drafts: a lone no-draft cycle among drafting ones measures nothing
+    runs = "".join("p" if p.reason == PROBE else "." for p in reasons).split(".")
+    lengths = [len(r) for r in runs if r]
+    assert lengths and all(n % c.probe_steps == 0 for n in lengths[:-1]), lengths
     survival = np.tile(np.cumprod(np.full(first.q, 0.6)), (8, 1))
     optimal = c.budgets(Plan(first.q, OPTIMAL), survival, 1e-3)
     assert np.array_equal(c.budgets(Plan(first.q, PROBE), survival, 1e-3), optimal)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, Plan
+from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, PROBE, Plan
 from vllm_dflash.adaptive import speculation
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
@@ -254,9 +254,10 @@ def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
 
 def test_coasting_runs_still_explore_at_the_planned_rate():
     """The per-step chance of a probe or exploration is drawn once per run (geometric):
-    over many steps the share of coasting steps that stop to explore matches the
-    per-step probability. 4000 steps at p = 0.05: the count's standard deviation is
-    ~14 on a mean of ~200; the bounds are 5 standard deviations wide."""
+    over many steps the share of coasting steps that explore matches the planned share.
+    Each exploration of a coasting plan drafts for `probe_steps` steps in a row, so it
+    starts at p / probe_steps a step: 4000 steps at p = 0.05 make ~50 explorations (sd
+    ~7), ~200 exploring steps (sd ~28); the bounds are 5 standard deviations wide."""
     spec = _coasting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
     c = spec.controller
     entry = c._cache[2]
@@ -275,8 +276,10 @@ def test_coasting_runs_still_explore_at_the_planned_rate():
     # Stops: explorations, and replans when a plan goes stale (optimal steps).
     explored = spec.stats.snapshot()["steps"]["explore"]
     assert explored <= stops
-    mean, sd = steps * p, (steps * p * (1 - p)) ** 0.5
+    run, start = c.probe_steps, p / c.probe_steps
+    mean, sd = steps * p, run * (steps * start * (1 - start)) ** 0.5
     assert mean - 5 * sd <= explored <= mean + 5 * sd
+
 
 
 def _drafting_spec(**kwargs):
@@ -347,9 +350,11 @@ def test_a_drafting_run_ends_with_a_prompt_chunk_an_ineligible_request_or_moved_
 
 def test_runs_cut_short_still_explore_at_the_planned_rate():
     """A run draws its probe or exploration once, for a step inside it: a run cut short
-    drops the draw. 3000 steps, every other one a prompt chunk that ends the run at p =
-    0.05 a step: explorations stay within 5 standard deviations of the planned rate.
-    (Kept, the draws had come at the next step: 33% of steps explored.)"""
+    drops the draw. 3000 steps, every other one a prompt chunk that ends the run, at a
+    share p = 0.05 of exploring steps (explorations of a full-block plan draft nothing for
+    `probe_steps` steps in a row, so they start at p / probe_steps): exploring steps stay
+    within 5 standard deviations of the planned share. (Kept, the draws had come at the
+    next step: 33% of steps explored.)"""
     spec = _drafting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
     c = spec.controller
     entry = c._cache[2]
@@ -367,5 +372,42 @@ def test_runs_cut_short_still_explore_at_the_planned_rate():
         spec.end(now + 0.001)
         full = np.maximum(budgets, 1)  # what the next step verifies (at least one: never a coasting step)
     explored = spec.stats.snapshot()["steps"]["explore"] - before
-    mean, sd = steps * p, (steps * p * (1 - p)) ** 0.5
+    run, start = c.probe_steps, p / c.probe_steps
+    mean, sd = steps * p, run * (steps * start * (1 - start)) ** 0.5
     assert mean - 5 * sd <= explored <= mean + 5 * sd
+
+
+def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
+    """Drafting steps, then a probe (probe_steps steps without drafts), then drafting again:
+    the first cycle of each kind after a switch holds the tail of the other kind's last
+    step, so it reaches neither the arms, nor E(R, t), nor the realised/forecast ratios;
+    the later cycles of the run do, and every step still gives its D(R, q + 1) sample."""
+    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0)
+    c = spec.controller
+    arms, steps, realized, drafts = [], [], [], []
+    arms_observe, step_observe, realized_observe, draft_observe = (
+        c.arms.observe, c.step_cost.observe, c.realized.observe, c.draft_cost.observe)
+    c.arms.observe = lambda r, drafted, s, t: (arms.append(drafted), arms_observe(r, drafted, s, t))
+    c.step_cost.observe = lambda r, t, s: (steps.append(t), step_observe(r, t, s))
+    c.realized.observe = lambda r, drafted, *a: (realized.append(drafted), realized_observe(r, drafted, *a))
+    c.draft_cost.observe = lambda r, t, s: (drafts.append(t), draft_observe(r, t, s))
+    kinds, verified, now = [True], [K, K], 0.01  # the spec's first step drafted full blocks
+    total = 4 + c.probe_steps + 4
+    for i in range(total + 1):
+        if i == 4:
+            spec.fold_runs()
+            c._explore_next = PROBE  # what a run's draw leaves for plan(): this step probes
+        accepted = [min(1, v) for v in verified]
+        plan, budgets = step(spec, now, ["a", "b"], verified, accepted, 2 + sum(verified), q_feature=0.99)
+        kinds.append(plan.q > 0)
+        verified = budgets.tolist()
+        now += 0.01
+    spec.fold_runs()
+    assert kinds[1:] == [True] * 4 + [False] * c.probe_steps + [True] * 5
+    # Cycle j closes at the step after it: cycles 0 .. total have closed.
+    closed = kinds[:total + 1]
+    clean = [closed[0]] + [k for before, k in zip(closed, closed[1:]) if before == k]
+    assert arms == realized == clean
+    assert clean.count(False) == c.probe_steps - 1
+    assert steps.count(1.0) == c.probe_steps - 1  # E(R, 1): the probe's cycles after its first
+    assert len(drafts) == total + 1  # D(R, q + 1): every step's own

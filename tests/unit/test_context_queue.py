@@ -327,3 +327,30 @@ def test_a_full_queue_drops_finished_requests_rows_and_holds_on():
     assert full.hold(rows(5, 0, seed=4), owners=["x"] * 4 + ["gone"])
     assert not full.hold(rows(2, 5, seed=5), owners=["x"] * 2, live={"x"})  # 4 + 2 rows > 3/4 of 6
     assert full.rows == 4 and full.take(live={"x"}).slots.tolist() == [0, 1, 2, 3]
+
+
+def test_live_rows_counts_what_a_take_would_write_through_holds_compactions_and_takes():
+    """`live_rows` keeps per-request counts between calls; after every kind of change to the
+    queue it must still equal the rows `take(live=...)` writes (checked on a copy of the queue)."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    queue = DeferredContext(max_rows=40)
+    slot = 0
+    for step in range(60):
+        owners = [rng.choice(["a", "b", "c", "d", None]) for _ in range(rng.randint(1, 4))]
+        live = set(rng.sample(["a", "b", "c", "d"], rng.randint(0, 4)))
+        if None in owners:  # a batch is owned row by row or not at all
+            owners = None
+        n = rng.randint(1, 4) if owners is None else len(owners)
+        if not queue.hold(rows(n, slot, seed=step), owners, live):
+            queue.take(rows(n, slot, seed=step), live)
+        slot += n
+        expected = copy.deepcopy(queue).take(live=live)
+        written = 0 if expected is None else int((expected.slots >= 0).sum())
+        assert queue.live_rows(live) == written, step
+        assert queue.live_rows(None) == queue.rows
+        if step % 7 == 6:
+            queue.compact(live)
+            assert queue.live_rows(live) == queue.rows

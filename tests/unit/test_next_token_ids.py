@@ -112,3 +112,30 @@ def test_useful_drafts_stop_at_max_tokens():
         "pooling": SimpleNamespace(sampling_params=None, output_token_ids=[])})
     useful = proposer._useful_drafts(["near", "far", "done", "free", "pooling", "gone"], np.array([2, 2, 0, 0, 0, 0]))
     assert useful.tolist() == [1, 4, 0, 4, 4, 4]
+
+
+def test_learning_and_planning_are_left_out_of_the_draft_time(monkeypatch):
+    """AdaptiveSpeculation.begin (learning, planning) runs in the drafting call but is no part
+    of D(R, q + 1): its seconds are counted as not drafting, which end() leaves out."""
+    from vllm_dflash.adaptive.controller import Plan
+    from vllm_dflash.serving import proposer as proposer_module
+
+    clock = [100.0]
+    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: clock[0])
+
+    class Adaptive:
+        schedule = None
+
+        def begin(self, now, req_ids, verified, accepted, num_tokens, greedy, eligible, useful=None):
+            clock[0] += 0.004  # a replan
+            return Plan(3, "optimal")
+
+    proposer = object.__new__(DFlashProposer)
+    proposer.num_speculative_tokens, proposer._tp_size, proposer._not_drafting_seconds = 4, 1, 0.001
+    proposer.adaptive = Adaptive()
+    proposer.runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["a", "b"], spec_token_ids=[[], []]),
+        discard_request_mask=SimpleNamespace(np=np.zeros(2, dtype=bool)), requests={})
+    metadata = SimpleNamespace(all_greedy=True, generators={})
+    q = proposer._begin_adaptive(2, 2, None, metadata, nothing_verified=True, t0=99.0)
+    assert q == 3 and proposer._not_drafting_seconds == pytest.approx(0.001 + 0.004)

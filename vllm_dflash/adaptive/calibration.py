@@ -32,6 +32,8 @@ to yield before it exists, for choosing how much to draft.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 GREEDY, SAMPLED = 0, 1
@@ -265,6 +267,15 @@ class SurvivalPrior:
             live = set(live_req_ids)
             for req_id in [r for r in self.last if r not in live]:
                 del self.last[req_id]
+
+    def fading(self, req_ids: list[str]) -> bool:
+        """Some request's own row still weighs in `rows` (more than 1% against the kind's mean)."""
+        horizon, last, step = self.fade_steps * math.log(100.0), self.last, self.step
+        for req_id in req_ids:
+            entry = last.get(req_id)
+            if entry is not None and step - entry[1] < horizon:
+                return True
+        return False
 
     def means(self) -> np.ndarray:
         """[kinds, k] mean survival per position."""

@@ -30,8 +30,10 @@ Where the measured tokens per second of drafting and not drafting differ
 beyond their noise (`realized.ArmRates`, drafting's rate scaled by its
 drain), that verdict decides between drafting and not; while the plan is to
 draft, the curves see drafting ahead by less than `probe_margin` and the
-measurements cannot yet tell, a `probe_probability` share of decisions does
-not draft (a probe).
+measurements cannot yet tell, about a `probe_probability` share of decisions
+does not draft (a probe), in runs of `probe_steps` steps: only a cycle of the
+same kind as the one before it is measured, so a lone no-draft step among
+drafting ones would measure nothing.
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
@@ -116,7 +118,7 @@ class BudgetController:
     def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
                  per_request_prior: bool = True, refresh_steps: int = 16, probe_margin: float = 0.2,
-                 probe_probability: float = 0.125):
+                 probe_probability: float = 0.125, probe_steps: int = 4):
         if max_k < 1:
             raise ValueError(f"max_k={max_k} must be >= 1")
         self.max_k = max_k
@@ -131,7 +133,12 @@ class BudgetController:
         self.max_explore_probability = max_explore_probability
         self.per_request_prior = per_request_prior
         self.refresh_steps = refresh_steps
+        if probe_steps < 1:
+            raise ValueError(f"probe_steps={probe_steps} must be >= 1")
         self.probe_margin, self.probe_probability = probe_margin, probe_probability
+        self.probe_steps = probe_steps
+        # The open run of the other kind (`_start_other_run`): further steps, its q and reason.
+        self._other_left, self._other_q, self._other_reason = 0, 0, PROBE
         self._warmup_done: dict[int, int] = {}
         self._warmup_total = 0
         self._knots = self.step_cost.r_knots.tolist()
@@ -196,19 +203,53 @@ class BudgetController:
         q = entry.q
         plan = Plan(q, OPTIMAL)
         explore_now, self._explore_next = self._explore_next, None
-        if explore_now == PROBE or (explore_now is None and entry.probe and self.rng.random() < self.probe_probability):
+        if self._other_left > 0:  # a run of the other kind goes on while the plan is still of its kind
+            self._other_left -= 1
+            if (q > 0) != (self._other_q > 0):
+                if self._other_left > 0:
+                    self._explore_next = self._other_reason  # no cached-plan run meanwhile (steady_run)
+                return Plan(self._other_q, self._other_reason)
+            self._other_left = 0
+            explore_now = None
+        if explore_now == PROBE or (explore_now is None and entry.probe
+                                    and self.rng.random() < self.probe_probability / self.probe_steps):
+            if entry.other_q == 0:
+                self._start_other_run(0, PROBE)
             return Plan(entry.other_q, PROBE)
-        if explore_now == EXPLORE or (explore_now is None and self.rng.random() < self._explore_probability(entry)):
+        if explore_now == EXPLORE or (explore_now is None and self.rng.random() < self._explore_start(entry)):
             # Both ways: longer blocks than planned, or (half the time, while drafting) none, so
             # a cost model that overrates the no-draft step is corrected too.
             if q > 0 and (q == self.max_k or self.rng.random() < 0.5):
+                self._start_other_run(0, EXPLORE)
                 plan = Plan(0, EXPLORE)
             elif q < self.max_k:
                 plan = Plan(int(self.rng.integers(q + 1, self.max_k + 1)), EXPLORE)
+                if q == 0:
+                    self._start_other_run(plan.q, EXPLORE)
         return plan
 
+    def _start_other_run(self, q: int, reason: str) -> None:
+        """A step of the other kind than the plan's (not drafting while the plan drafts: a probe
+        or an exploring step; drafting while it does not: an exploring step) is the first of
+        `probe_steps` such steps, at the same q. Only cycles of the same kind as the one before
+        them are measured (`AdaptiveSpeculation._switched_kind`): the first step after a switch
+        carries the tail of the step before (traced at 4 requests in bfloat16: a plain step
+        right after drafting took 2.35 ms, against ~1.95 ms in a row of them), so a lone step
+        of the other kind would measure nothing."""
+        self._other_left, self._other_q, self._other_reason = self.probe_steps - 1, q, reason
+        if self._other_left > 0:
+            self._explore_next = reason
+
     def _explore_probability(self, entry: _CachedPlan) -> float:
+        """The share of steps that explore."""
         return min(self.max_explore_probability, self.explore_time_share / max(entry.explore_cost, 1e-12))
+
+    def _explore_start(self, entry: _CachedPlan) -> float:
+        """The chance that a step starts exploring: the share of exploring steps over the mean
+        length of an exploration (a step of the other kind than the plan's starts a run of
+        `probe_steps`, `_start_other_run`; half of a partial-block plan's explorations do)."""
+        runs = 1.0 if entry.q == 0 or entry.q == self.max_k else 0.5
+        return self._explore_probability(entry) / (1.0 + runs * (self.probe_steps - 1))
 
     def _exploration_cost(self, q: int, seconds: float, full_seconds: float, values: np.ndarray) -> float:
         """What an exploring step costs, in planned steps: a longer block, at most full
@@ -250,8 +291,8 @@ class BudgetController:
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
         if run <= 0:
             return 0, 0
-        probe = self.probe_probability if entry.probe else 0.0
-        explore = self._explore_probability(entry)
+        probe = self.probe_probability / self.probe_steps if entry.probe else 0.0
+        explore = self._explore_start(entry)
         chance = 1.0 - (1.0 - probe) * (1.0 - explore)
         if chance > 0.0:
             calm = int(self.rng.geometric(chance)) - 1  # steps before the first probe or exploration
@@ -316,12 +357,14 @@ class BudgetController:
             # without drafting costs the controller.
             same = entry is not None and not moved and q == entry.q and req_ids == entry.req_ids
             interval = min(2 * entry.interval, 4 * self.refresh_steps) if same else self.refresh_steps
-            if q == 0:
+            if q == 0 and self.prior.fading(req_ids):
                 # Not drafting because of requests' own last drafts: those rows fade into their kind's
                 # mean within a few steps (`SurvivalPrior.fade_steps`), so the plan is redone then. At
                 # one request, one poor draft had kept drafting off for up to 4x `refresh_steps` (traced
                 # on code: 20-35 of ~120 steps coasting at half the tokens per second of drafting).
-                # A row weighs 1/R in a plan: R x fade_steps bounds the replanning per step.
+                # A row weighs 1/R in a plan: R x fade_steps bounds the replanning per step. Without
+                # such rows nothing fades: at 4 requests coasting in bfloat16, replanning every 16 steps
+                # was 0.05 ms of a 1.6 ms step (AVX-512 EPYC).
                 interval = min(interval, max(1, int(self.prior.fade_steps * requests)))
             explore_cost = self._exploration_cost(q, float(seconds[q]), full, scaled)
             if q == 0:  # an exploring step drafts, and first writes the held context

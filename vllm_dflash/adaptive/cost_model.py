@@ -140,7 +140,14 @@ class StepCost:
         return [(lo, 1.0 - f), (hi, f)]
 
     def _t_corners(self, tokens: float) -> list[tuple[int, float]]:
+        """The t knots a sample at `tokens` per request weighs on. Between 1 and 2 it is a step
+        in which some requests verified drafts: it pays the drafting regime's fixed part (the
+        rejection sampler, vLLM's glue for drafts), so it goes to t = 2 whole. Split between the
+        knots, most of its weight landed on t = 1, the no-draft step, and priced it with part of
+        verification's fixed cost (`_curve_at` prices 1 < t < 2 the same way)."""
         t = min(max(tokens, 1.0), self.t_knots[-1])
+        if 1.0 < t < 2.0 and len(self.t_knots) > 1:
+            return [(1, 1.0)]
         lo = int(math.floor(t)) - 1
         f = t - (lo + 1)
         if f <= 0 or lo + 1 >= len(self.t_knots):

@@ -44,6 +44,7 @@ of the target's arithmetic per token, is not paid at all.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Container, Sequence
 from typing import NamedTuple
 
@@ -130,6 +131,11 @@ class DeferredContext:
         self._owners: list[tuple[int, list[str] | None]] = []  # per held batch: (rows, each row's request id)
         self._rows = 0
         self.dropped_rows = 0  # rows of finished requests never written (a count, for tests and profiles)
+        # Held rows per request id over the first `_counted` held batches (`live_rows`), and rows held
+        # without owners among them.
+        self._owner_rows: Counter[str] = Counter()
+        self._counted = 0
+        self._unowned_rows = 0
 
     @property
     def rows(self) -> int:
@@ -174,6 +180,7 @@ class DeferredContext:
             self._append(_feature_blocks(rows.features), rows.positions, rows.slots)
         total = self._rows
         self._owners, self._rows = [], 0
+        self._forget_counts()
         batch = ContextRows(*(t[:total] for t in self._buffers))
         if keep is not None:
             kept = int(keep.sum())
@@ -207,14 +214,32 @@ class DeferredContext:
                 still = [r for r, alive in zip(who, mine) if alive]
                 owners.append((len(still), still))
         self._owners, self._rows = owners, kept
+        self._forget_counts()
         self.dropped_rows += dropped
         return dropped
 
     def live_rows(self, live: Container[str] | None) -> int:
-        """How many held rows a `take(live=live)` now would write (all of them without `live`)."""
+        """How many held rows a `take(live=live)` now would write (all of them without `live`).
+
+        Counted per request, not per row: asked at every replan (the cost of switching drafting
+        back on), a row-by-row pass over a full queue took ~1 ms at 64 requests (bfloat16, AVX-512
+        EPYC), a third of a replan. The held batches are folded into per-request counts when asked
+        (one C-level count per batch), so holding stays as cheap as before."""
         if live is None or not self._rows:
             return self._rows
-        return sum(self._live_flags(self._owners, live))
+        counts = self._owner_rows
+        for n, who in self._owners[self._counted:]:
+            if who is None:
+                self._unowned_rows += n
+            else:
+                counts.update(who)
+        self._counted = len(self._owners)
+        return self._unowned_rows + sum(rows for req_id, rows in counts.items() if req_id in live)
+
+    def _forget_counts(self) -> None:
+        """The held rows changed other than by a hold: `live_rows` counts afresh."""
+        self._owner_rows.clear()
+        self._counted = self._unowned_rows = 0
 
     @staticmethod
     def _live_flags(owners: list[tuple[int, list[str] | None]], live: Container[str]) -> list[bool]:
