@@ -324,3 +324,26 @@ def test_survival_correction_learns_what_the_cap_takes_back():
         assert np.all(np.diff(corr.apply(raw_rows), axis=1) <= 0) and corr.apply(raw_rows).max() <= 1.0
     assert errors[False].max() > 0.025, errors[False]
     assert errors[True].max() < 0.02, errors[True]
+
+
+def test_a_long_faded_request_row_is_left_out_within_a_thousandth():
+    """A request's own row fades into its kind's mean (weight exp(-age / fade_steps)); past
+    fade_steps x ln(1000) steps it is left out, the row then the mean itself, less than 1e-3
+    from what the faded blend would give."""
+    import math
+
+    prior = SurvivalPrior(4)
+    prior.record(["x", "y"], np.array([GREEDY, GREEDY]), np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.3, 0.2, 0.1]]))
+    prior.record(["a"], np.array([GREEDY]), np.array([[0.1, 0.01, 0.001, 0.0001]]))
+    kinds = np.array([GREEDY])
+    mean = prior.rows(["nobody"], kinds)[0]
+    horizon = prior.fade_steps * math.log(1000.0)
+    for _ in range(int(horizon)):
+        prior.forget(["a"])
+    blended = prior.rows(["a"], kinds)[0]
+    assert not np.allclose(blended, mean) and np.abs(blended - mean).max() < 2e-3
+    prior.forget(["a"])
+    assert np.array_equal(prior.rows(["a"], kinds)[0], mean)
+    own = prior.last["a"]
+    w = math.exp(-(prior.step - own[1]) / prior.fade_steps)
+    assert w < 1e-3

@@ -340,3 +340,26 @@ def test_an_exploration_of_a_no_draft_plan_is_priced_with_the_held_context_it_wr
     held = c._cache[1]
     assert held.explore_cost == pytest.approx(plain.explore_cost + 0.015 / plain.seconds)
     assert c._explore_probability(held) < c._explore_probability(plain)
+
+
+def test_a_longer_block_that_costs_the_same_is_planned():
+    """One request, drafting cost the same for any block (one query-block forward), the prior
+    expecting the best budget well short of k: every block from that budget on has the same
+    plan value. The plan takes the longest of them (k), so a confident draft can be verified
+    deeper than the average one; it took the shortest, and capped every budget there. Where a
+    longer block costs more than the tolerance, the shorter one stays."""
+    step = lambda r, t: 1e-3 * (1 + 0.05 * (t - 1))  # noqa: E731  verifying costs: the best B is short
+    prior = np.cumprod(np.full(K, 0.5))
+    flat = controller(step, lambda r, t: 2e-4 if t > 1 else 2e-5, max_explore_probability=0.0)
+    give_history(flat, ["a"], prior)
+    plan = flat.plan(["a"], np.full(1, GREEDY))
+    values = flat.plan_values(flat.prior.rows(["a"], np.full(1, GREEDY)), 1)[0]
+    shortest = 1 + int(np.argmax(values[1:]))
+    assert shortest < K and values[K] == pytest.approx(values[shortest], rel=1e-9)
+    assert plan.q == K
+    rising = controller(step, lambda r, t: 2e-4 * (1 + 0.05 * (t - 1)), max_explore_probability=0.0)
+    give_history(rising, ["a"], prior)
+    values = rising.plan_values(rising.prior.rows(["a"], np.full(1, GREEDY)), 1)[0]
+    assert rising.plan(["a"], np.full(1, GREEDY)).q == 1 + int(np.argmax(values[1:])) < K
+    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.996, 1.9])) == 2
+    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.98])) == 1
