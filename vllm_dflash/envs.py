@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     VLLM_DFLASH_JIT_VERIFIER: bool
     VLLM_DFLASH_SKIP_NVCC: bool
     VLLM_DFLASH_ADAPTIVE_SCHEDULE: str | None
+    VLLM_DFLASH_GEMM_ROWS: bool
     _VLLM_DFLASH_STATS_DIR: str | None
 
 IMPL_CHOICES = ("plugin", "vllm")
@@ -104,6 +105,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # adaptive.controller.ForcedSchedule) instead of the cost-driven one; read
     # when the proposer is built.
     "VLLM_DFLASH_ADAPTIVE_SCHEDULE": _adaptive_schedule,
+    # 0 turns off the row-count grid of CPU GEMMs (serving.gemm_rows: padded
+    # target passes, query blocks and context writes, kernels made at load);
+    # for comparisons. Read when the proposer loads.
+    "VLLM_DFLASH_GEMM_ROWS": _flag("VLLM_DFLASH_GEMM_ROWS", True),
     # Set by the plugin, not by users: the folder where workers keep their
     # adaptive-speculation counters (memory-mapped files) for the API server's
     # /metrics, set in the frontend process while vLLM builds the engine's

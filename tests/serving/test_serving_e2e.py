@@ -135,6 +135,31 @@ class ProposalRecorder:
         self.verified_spec_len: list[int | None] = []
         self.original_sample = runner._sample
         runner._sample = self.sample
+        # Per target pass: (scheduled tokens, requests, tokens the pass ran with, padding included).
+        self.target_rows: list[tuple[int, int, int]] = []
+        self.original_padding = runner._determine_batch_execution_and_padding
+        runner._determine_batch_execution_and_padding = self.padding
+        # Per context K/V projection: (context rows, rows its GEMMs ran with).
+        self.context_rows: list[tuple[int, int]] = []
+        model = drafter.model.unwrap() if hasattr(drafter.model, "unwrap") else drafter.model
+        writer = getattr(model, "context_kv_writer", None)  # vLLM's in-tree draft has none
+        if writer is not None:
+            project, native = writer.project, writer._project_native
+
+            def recording_project(features):
+                self.context_rows.append((features.shape[0], None))
+                return project(features)
+
+            def recording_native(features):
+                self.context_rows[-1] = (self.context_rows[-1][0], features.shape[0])
+                return native(features)
+
+            writer.project, writer._project_native = recording_project, recording_native
+
+    def padding(self, num_tokens, num_reqs, *args, **kwargs):
+        result = self.original_padding(num_tokens, num_reqs, *args, **kwargs)
+        self.target_rows.append((num_tokens, num_reqs, result[1].num_tokens))
+        return result
 
     def sample(self, logits, spec_decode_metadata):
         self.verified_spec_len.append(None if spec_decode_metadata is None else spec_decode_metadata.max_spec_len)
@@ -238,6 +263,13 @@ def _run_workload(llm, k: int | None, phases) -> dict:
             result[f"unverified_steps_{phase}"] = recorder.unverified_steps
     if recorder:
         result["verified_spec_len"] = recorder.verified_spec_len
+        result["target_rows"] = recorder.target_rows
+        result["context_rows"] = recorder.context_rows
+        result["gemm_row_limit"] = getattr(runner.drafter, "gemm_row_limit", None)  # ours only
+        result["max_num_tokens"] = runner.max_num_tokens
+        from vllm_dflash.serving import gemm_rows
+
+        result["shape_compiled_linears"] = len(gemm_rows.shape_compiled_linears(runner.model))
     result["preemptions"] = len(preemptions)
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
@@ -480,6 +512,31 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
         assert run["unverified_steps_batch8"] >= PAUSE[1] - PAUSE[0] - 1
         # the write of the held rows was timed: the controller prices the next switch to drafting by it
         assert run["switch_cost_wired"] and run["context_row_seconds"] > 0
+
+
+def test_target_passes_with_drafts_run_on_the_gemm_row_grid(plugin, adaptive):
+    """Where vLLM's CPU GEMMs make a kernel per row count (oneDNN), every target pass that is not
+    plain decode (verify steps, prompt chunks) runs padded to serving.gemm_rows' grid, plain
+    decode runs unpadded, and the outputs stay those of no speculation (the tests above)."""
+    from vllm_dflash.serving import gemm_rows
+
+    runs = [*((f"k={k}", r) for k, r in plugin.items()), *adaptive.items()]
+    if not runs[0][1]["shape_compiled_linears"]:
+        pytest.skip("this machine's CPU linears are torch's own (no kernels per row count): nothing is padded")
+    for name, run in runs:
+        limit = min(run["gemm_row_limit"], run["max_num_tokens"])
+        padded = 0
+        for tokens, reqs, ran in run["target_rows"]:
+            if tokens == reqs:
+                assert ran == tokens, (name, tokens, ran)
+            else:
+                assert ran == gemm_rows.padded_rows(tokens, limit), (name, tokens, reqs, ran)
+                padded += ran > tokens
+        assert padded >= 5, (name, padded)
+        # the context K/V projections (float32 here: the model's own GEMMs) pad the same way
+        context = run["context_rows"]
+        assert context and all(ran == gemm_rows.padded_rows(rows, run["gemm_row_limit"]) for rows, ran in context), name
+        assert sum(ran > rows for rows, ran in context) >= 5, name
 
 
 def test_steps_without_drafts_run_plain(plugin, adaptive):

@@ -29,6 +29,7 @@ def controller(step_cost, draft_cost, requests=(1, 4, 16, 64), **kwargs) -> Budg
                 c.draft_cost.observe(r, t, draft_cost(r, t))
         c._warmup_done[c._warmup_key(r)] = c.warmup_steps
         c._warmup_total += c.warmup_steps
+        c._no_draft_seen.add(c._warmup_key(r))  # as if measured: no first run without drafts
     return c
 
 

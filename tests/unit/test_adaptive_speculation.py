@@ -288,6 +288,7 @@ def _drafting_spec(**kwargs):
     for t in range(1, K + 2):
         spec.controller.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
         spec.controller.draft_cost.observe(2, t, 1e-3)
+    spec.controller._no_draft_seen.add(spec.controller._warmup_key(2))  # as if measured: no first no-draft run
     plan, budgets = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
     assert plan.q == K and budgets.tolist() == [K, K]
     return spec
@@ -411,3 +412,44 @@ def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
     assert clean.count(False) == c.probe_steps - 1
     assert steps.count(1.0) == c.probe_steps - 1  # E(R, 1): the probe's cycles after its first
     assert len(drafts) == total + 1  # D(R, q + 1): every step's own
+
+
+def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
+    """Curves that say drafting pays at 2 requests, and no cycle without drafts measured there:
+    the first plan to draft becomes a run of first_no_draft_steps steps without drafts, whose
+    cycles after the first (the switch) reach the arms and E(R, 1); then the plan drafts, and
+    that size never gets such a run again, even with its arm faded."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
+                               probe_probability=0.0)
+    c = spec.controller
+    for t in range(1, K + 2):
+        c.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
+        c.draft_cost.observe(2, t, 1e-3)
+    kinds, reasons, verified, now = [], [], [0, 0], 0.0
+    for _ in range(c.first_no_draft_steps + 6):
+        plan, budgets = step(spec, now, ["a", "b"], verified, [min(1, v) for v in verified], 2 + sum(verified),
+                             q_feature=0.99)
+        kinds.append(plan.q > 0)
+        reasons.append(plan.reason)
+        verified = budgets.tolist()
+        now += 0.01
+    spec.fold_runs()
+    n = c.first_no_draft_steps
+    assert kinds == [False] * n + [True] * 6 and reasons[:n] == [PROBE] * n
+    assert c.arms.cycles(2, False) >= n - 2  # the run's cycles, less the switch's (and one still open)
+    c.arms._sums[c._warmup_key(2)][0] = [0.0] * 5  # the no-draft arm faded away
+    c._cache.clear()
+    plan, _ = step(spec, now, ["a", "b"], verified, verified, 2 + sum(verified), q_feature=0.99)
+    assert plan.q > 0 and plan.reason != PROBE
+
+
+def test_a_size_measured_without_drafts_drafts_at_once():
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
+                               probe_probability=0.0)
+    c = spec.controller
+    for t in range(1, K + 2):
+        c.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
+        c.draft_cost.observe(2, t, 1e-3)
+    c.arms.observe(2, False, 8e-3, 2)
+    plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
+    assert plan.q == K and plan.reason != PROBE

@@ -40,6 +40,7 @@ def test_every_variable_named_in_the_project_is_declared():
 def test_unset_gives_the_default(monkeypatch, name):
     monkeypatch.delenv(name, raising=False)
     defaults = {"VLLM_DFLASH_IMPL": "plugin", "VLLM_DFLASH_NATIVE_OPS": True, "VLLM_DFLASH_CUDA": True,
+                "VLLM_DFLASH_GEMM_ROWS": True,
                 "VLLM_DFLASH_JIT_VERIFIER": False, "VLLM_DFLASH_SKIP_NVCC": False}
     assert getattr(envs, name) == defaults.get(name)
 

@@ -4,6 +4,8 @@ override, call, read or mirror)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm_dflash.patches.internal import VllmInternal, wrap_once
 
 # The runner's drafter protocol, as vLLM's generic proposer implements it (named, never imported by the
@@ -116,6 +118,28 @@ def _plain_inputs_for_steps_without_drafts() -> None:
     wrap_once(GPUModelRunner, "_prepare_inputs", make)
 
 
+def _pad_target_rows_to_the_gemm_grid() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
+            result = original(self, num_tokens, num_reqs, *args, **kwargs)
+            limit = getattr(getattr(self, "drafter", None), "gemm_row_limit", None)
+            mode, descriptor, should_ubatch, across_dp, stats = result
+            if limit is None or num_tokens == num_reqs or across_dp is not None or descriptor.num_tokens != num_tokens:
+                return result  # plain decode, or padded already (CUDA graphs, data parallel)
+            from vllm_dflash.serving.gemm_rows import padded_rows
+
+            padded = padded_rows(num_tokens, min(limit, self.max_num_tokens))
+            if padded == num_tokens:
+                return result
+            return mode, dataclasses.replace(descriptor, num_tokens=padded), should_ubatch, across_dp, stats
+
+        return _determine_batch_execution_and_padding
+
+    wrap_once(GPUModelRunner, "_determine_batch_execution_and_padding", make)
+
+
 ENTRIES: list[VllmInternal] = [
     # ------------------------------------------------------------ patches --
     VllmInternal(
@@ -167,6 +191,50 @@ ENTRIES: list[VllmInternal] = [
         used_by=f"{RUNNER}.sample_tokens",
         usage=("self._draft_token_ids = self.propose_draft_token_ids(",),
         install=_skip_glue_for_steps_without_drafts,
+    ),
+    VllmInternal(
+        symbol=f"{RUNNER}._determine_batch_execution_and_padding",
+        kind="patch",
+        process=("worker",),
+        why="vLLM's CPU GEMMs make a kernel per row count on first use (0.4-0.57 ms per weight shape, AVX-512 "
+        "EPYC); per-request draft lengths give target passes a new row count nearly every verify step (about "
+        "15 ms on the bundled target). serving.gemm_rows pads them to a grid whose kernels are made at load",
+        how="wrap: where the drafter has a gemm_row_limit (ours, on CPU) and vLLM did not pad (no CUDA graph, "
+        "no data parallel), a step that is not plain decode (tokens != requests) gets "
+        "BatchDescriptor.num_tokens = gemm_rows.padded_rows(tokens, limit); vLLM then pads input ids and "
+        "positions, gives the padded rows slot -1 (CPU attention updates the cache separately) and computes "
+        "attention for the real rows only (num_actual_tokens), as for CUDA-graph padding",
+        remove_when="vLLM pads CPU batches to bucketed sizes itself",
+        params=("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens",
+                "use_cascade_attn", "allow_microbatching", "force_eager", "force_uniform_decode", "force_has_lora",
+                "force_num_active_loras", "num_encoder_reqs"),
+        used_by=f"{RUNNER}.execute_model",
+        usage=("num_tokens_padded = batch_desc.num_tokens",
+               "slot_mappings_by_group, slot_mappings = self._get_slot_mappings(",
+               "if pad_attn or has_separate_kv_update"),
+        install=_pad_target_rows_to_the_gemm_grid,
+    ),
+    VllmInternal(
+        symbol="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",
+        kind="mirror",
+        process=("worker",),
+        why="serving.gemm_rows finds the linears whose kernels are made per row count by what this leaves "
+        "behind: a cpu_linear(x, weight, bias) callable, and an empty weight where oneDNN / zentorch / sgl "
+        "packed it (torch's linear, the fallback, keeps it)",
+        how="modules with a callable cpu_linear and weight.numel() == 0; cpu_linear(x, None, bias) at load",
+        remove_when="with the _determine_batch_execution_and_padding patch",
+        source_has=("layer.cpu_linear = lambda x, weight, bias: ops.onednn_mm(handler, x, bias)",
+                    "layer.weight = torch.nn.Parameter(", "torch.empty(0, dtype=dtype, device=layer.weight.device)"),
+    ),
+    VllmInternal(
+        symbol="vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",
+        kind="read",
+        process=("worker",),
+        why="with the cache update outside forward, vLLM pads the slot mapping of padded rows with -1 "
+        "(has_separate_kv_update): padded target passes write nothing for their padding",
+        how="forward_includes_kv_cache_update is False",
+        remove_when="with the _determine_batch_execution_and_padding patch",
+        names=("forward_includes_kv_cache_update",),
     ),
     VllmInternal(
         symbol=f"{RUNNER}.take_draft_token_ids",
@@ -629,12 +697,17 @@ ENTRIES: list[VllmInternal] = [
         symbol="vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
         kind="mirror",
         process=("worker",),
-        why="ops.store_context_kv_layer's 'cpu' layouts pack a page as vLLM's CPU attention reads it",
-        how="per (block, head): block_size*2 rows of head_size, K part then V part",
+        why="ops.store_context_kv_layer's 'cpu' layouts pack a page as vLLM's CPU attention reads it; padded "
+        "target passes and query blocks (serving.gemm_rows) rely on it computing only the first "
+        "num_actual_tokens rows",
+        how="per (block, head): block_size*2 rows of head_size, K part then V part; rows past num_actual_tokens "
+        "are padding, their outputs dropped",
         ours="vllm_dflash.ops.reference:store_context_kv_layer_ref",
-        remove_when="vLLM exposes a cache writer for arbitrary slots",
+        remove_when="vLLM exposes a cache writer for arbitrary slots (the layout); with the "
+        "_determine_batch_execution_and_padding patch (the rows)",
         source_has=("kv_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))",
-                    "key_cache, value_cache = kv_cache.chunk(2, dim=2)"),
+                    "key_cache, value_cache = kv_cache.chunk(2, dim=2)",
+                    "num_actual_tokens = attn_metadata.num_actual_tokens", "query[:num_actual_tokens]"),
     ),
     VllmInternal(
         symbol="vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vllm_dflash import ops
-from vllm_dflash.serving import context_precision
+from vllm_dflash.serving import context_precision, gemm_rows
 
 if TYPE_CHECKING:
     from vllm_dflash.serving.draft_model import DFlashAttention, DFlashModel
@@ -83,6 +83,8 @@ class ContextKVWriter:
         # (first layer's cache, dtype, store_context_kv_fused arguments or None): see _fused_args.
         self._fused_plan: tuple | None = None
         self._fp32_weights: tuple | None = None  # decided at the first context write: see _choose_precision
+        # Row counts up to this are padded to serving.gemm_rows' grid for the GEMMs (None: never).
+        self.gemm_row_limit: int | None = None
 
     def attention_layers(self) -> list[DFlashAttention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -109,7 +111,11 @@ class ContextKVWriter:
         if self._fp32_weights:
             return context_precision.project_fp32(target_features, *self._fp32_weights).to(
                 target_features.dtype).view(shape)
-        return self._project_native(target_features).view(shape)
+        rows = shape[0]
+        padded = rows if self.gemm_row_limit is None else gemm_rows.padded_rows(rows, self.gemm_row_limit)
+        if padded != rows:
+            target_features = torch.nn.functional.pad(target_features, (0, 0, 0, padded - rows))
+        return self._project_native(target_features)[:rows].view(shape)
 
     def _choose_precision(self, target_features: torch.Tensor) -> tuple:
         """() for the model's own dtype, else the float32 weights of project_fp32

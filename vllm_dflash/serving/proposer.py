@@ -57,6 +57,7 @@ from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, join
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 from vllm_dflash.serving.drafter_base import DrafterBase
+from vllm_dflash.serving import gemm_rows
 from vllm_dflash.verifier import sampling_params
 from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.sampler import min_p_per_request
@@ -118,6 +119,8 @@ class DFlashProposer(DrafterBase):
         # The draft lists propose_unverified_step last returned, all empty (None: it returned none):
         # the runner's take_draft_token_ids hands the scheduler nothing for them (patches.serving).
         self.handed_no_drafts: list[list[int]] | None = None
+        # Row counts up to this are padded to serving.gemm_rows' grid (set at load; None: never).
+        self.gemm_row_limit: int | None = None
         # This step's seconds of context work any q would have paid: rows held back by earlier steps,
         # and the rows of its prompt chunks (`_write_context`). Left out of the draft-time sample.
         self._not_drafting_seconds = 0.0
@@ -159,7 +162,26 @@ class DFlashProposer(DrafterBase):
                 f"the draft loaded as {type(model).__name__}; vllm-dflash needs "
                 "architectures=['DFlashDraftModel'] in the draft's config.json"
             )
+        self.gemm_row_limit = self._make_gemm_kernels(target_model, model)
         profiler.install_from_env(self)  # no-op unless VLLM_DFLASH_PROFILE_FILE is set
+
+    def _make_gemm_kernels(self, target_model: torch.nn.Module, draft: DFlashDraftForCausalLM) -> int | None:
+        """Where vLLM's CPU GEMMs make a kernel per row count (`serving.gemm_rows`): make the
+        grid's up to the most rows a target pass, a query block or a context write of usual size
+        has, and return that limit; the runner (target pass), the query block and the context
+        writer pad their rows to the grid below it. None: nothing to pad (CUDA, torch's own linear,
+        VLLM_DFLASH_GEMM_ROWS=0)."""
+        if self.device.type != "cpu" or not envs.VLLM_DFLASH_GEMM_ROWS:
+            return None
+        linears = gemm_rows.shape_compiled_linears(target_model, draft)
+        if not linears:
+            return None
+        target_rows = getattr(self.runner, "max_num_tokens", None) or \
+            self.vllm_config.scheduler_config.max_num_batched_tokens
+        limit = min(max(target_rows, self.max_batch_size * (1 + self.num_speculative_tokens)), gemm_rows.MOST_ROWS)
+        gemm_rows.make_kernels(linears, limit, self.dtype)
+        draft.context_kv_writer.gemm_row_limit = limit
+        return limit
 
     @torch.inference_mode()
     def dummy_run(
@@ -273,13 +295,21 @@ class DFlashProposer(DrafterBase):
             causal=False,
         )
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(block_cad)
+        num_query = batch_size * q_len
+        input_ids, positions, slots = step.input_ids, step.positions, step.slots
+        if self.gemm_row_limit is not None:  # rows past num_query: no attention, no cache write (slot -1)
+            extra = gemm_rows.padded_rows(num_query, self.gemm_row_limit) - num_query
+            if extra:
+                input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=self.mask_token_id)
+                positions = torch.nn.functional.pad(positions, (0, extra))
+                slots = torch.nn.functional.pad(slots, (0, extra), value=-1)
         with set_forward_context(
             per_layer_metadata,
             self.vllm_config,
-            num_tokens=batch_size * q_len,
-            slot_mapping={name: step.slots for name in self.draft_attn_layer_names},
+            num_tokens=input_ids.shape[0],
+            slot_mapping={name: slots for name in self.draft_attn_layer_names},
         ):
-            hidden_states = self.model(input_ids=step.input_ids, positions=step.positions)
+            hidden_states = self.model(input_ids=input_ids, positions=positions)[:num_query]
         # Row 0 of each block is the bonus token; rows 1..q predict the drafts.
         mask_hidden = hidden_states.view(batch_size, q_len, -1)[:, 1:].reshape(batch_size * q, -1)
         draft_ids, conf = self._draft_tokens(mask_hidden, sampling_metadata, q, confidence)
