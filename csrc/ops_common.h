@@ -421,6 +421,21 @@ inline void check_rms_norm_inputs(const at::Tensor& input, const at::Tensor& wei
 }
 
 // ---------------------------------------------------------------------------
+// logits_top2
+// ---------------------------------------------------------------------------
+
+inline void check_logits_top2_inputs(const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "logits_top2: logits must be [rows, vocab], got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.size(1) >= 2 || logits.size(0) == 0,
+                    "logits_top2: a row needs at least 2 logits, got ", logits.size(1));
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat ||
+                        logits.scalar_type() == at::kHalf ||
+                        logits.scalar_type() == at::kBFloat16,
+                    "logits_top2: unsupported dtype ", logits.scalar_type(),
+                    "; use float32, float16 or bfloat16");
+}
+
+// ---------------------------------------------------------------------------
 // rejection_sample
 // ---------------------------------------------------------------------------
 

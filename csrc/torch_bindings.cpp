@@ -28,6 +28,9 @@ TORCH_LIBRARY(vllm_dflash, m) {
   // RMSNorm over the last dim with vLLM's native rounding: fp32 statistics,
   // x * rsqrt(mean(x^2) + eps) rounded to the dtype, times the weight.
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  // Per row of draft logits [rows, vocab]: the argmax (first index on ties)
+  // and the top-1 minus top-2 logit (0 on a tie), float32.
+  m.def("logits_top2(Tensor logits) -> (Tensor ids, Tensor margin)");
   // One drafting step's inputs from the runner's batch: context rows (the
   // verified target rows, their positions and slots) and the query block
   // [bonus, MASK x k] (ids, positions, slots), the block's seq_lens and

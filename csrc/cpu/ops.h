@@ -25,6 +25,9 @@ void store_context_kv_fused_cpu(const at::Tensor& key, const at::Tensor& value, 
 
 at::Tensor rms_norm_cpu(const at::Tensor& input, const at::Tensor& weight, double eps);
 
+// (argmax ids [rows] int64, top-1 minus top-2 logit [rows] float32)
+std::tuple<at::Tensor, at::Tensor> logits_top2_cpu(const at::Tensor& logits);
+
 // (context_rows, context_positions, context_slots, input_ids, positions, slots, seq_lens, query_start_loc)
 using PrepareDFlashInputsOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                           at::Tensor, at::Tensor>;

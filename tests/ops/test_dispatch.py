@@ -30,6 +30,7 @@ CALLS = {
         *_kv(layers=2), torch.ones(2, 8), 1e-6, torch.randn(16, 8), torch.tensor([0, 1, 2]), True,
         [torch.zeros(2, 2, 4, 16), torch.zeros(2, 2, 4, 16)], torch.tensor([0, 5, -1]), "flash"),
     "rms_norm": lambda: ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6),
+    "logits_top2": lambda: ops.logits_top2(torch.randn(3, 8)),
     "prepare_dflash_inputs": lambda: ops.prepare_dflash_inputs(
         torch.tensor([0, 2], dtype=torch.int32), None, torch.tensor([0, 1]), torch.tensor([0, 1]),
         torch.tensor([7]), torch.zeros(1, 4, dtype=torch.int32), 4, 9, 2, 2, True),

@@ -6,7 +6,7 @@ prior):
 
 * "margin": d = top-1 minus top-2 logit; feature tanh(d / 2) (= (p1 - p2) /
   (p1 + p2)), prior sigmoid(d) (= p1 / (p1 + p2), the two-way probability).
-  Costs one top-2 pass over the vocabulary, about what the argmax costs.
+  One pass over the vocabulary gives it with the argmax (`ops.logits_top2`).
 * "top1": p1 = softmax top-1 probability, feature and prior both p1. Costs a
   log-sum-exp over the vocabulary.
 
@@ -30,47 +30,42 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dflash import ops
+
 FEATURES = ("margin", "top1")
 DEFAULT_FEATURE = "margin"
 
 
 def _scored(logits: torch.Tensor, feature: str):
-    """(float32 logits, the top-1 index the feature's own pass found, feature, prior, the
-    top-1/top-2 margin or None): the one pass over the vocabulary both functions below make."""
+    """(argmax ids, feature, prior): the one pass over the vocabulary both functions below
+    make (`ops.logits_top2` for the margin: argmax and margin together, ties at argmax's
+    first index)."""
     if feature not in FEATURES:
         raise ValueError(f"confidence feature {feature!r}: choose one of {FEATURES}")
-    x = logits.float()
     if feature == "margin":
-        top = x.topk(2, dim=-1)
-        d = top.values[:, 0] - top.values[:, 1]
-        return x, top.indices[:, 0], torch.tanh(d / 2), torch.sigmoid(d), d
+        ids, d = ops.logits_top2(logits)
+        return ids, torch.tanh(d / 2), torch.sigmoid(d)
+    x = logits.float()
     values, ids = x.max(dim=-1)
     p1 = torch.exp(values - torch.logsumexp(x, dim=-1))
-    return x, ids, p1, p1, None
+    return ids, p1, p1
 
 
 def draft_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] -> (feature [N], prior [N]), float32, on the logits' device."""
-    _, _, feat, prior, _ = _scored(logits, feature)
+    _, feat, prior = _scored(logits, feature)
     return feat, prior
 
 
 def argmax_with_confidence(logits: torch.Tensor, feature: str = DEFAULT_FEATURE
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """logits [N, V] -> (argmax ids [N] int64, (feature [N], prior [N])) in one pass
-    over the vocabulary where the feature allows: the margin's top-2 already holds
-    the argmax, and the top-1 probability's max does. A draft's LM-head rows are
+    over the vocabulary where the feature allows: `ops.logits_top2` gives the margin
+    with the argmax, and the top-1 probability's max holds it. A draft's LM-head rows are
     as long as the vocabulary (150k for Qwen3), so a second pass costs about as
     much as the confidence itself. Ties keep argmax's first index (topk does not
     promise it), so adaptive and static drafts are the same tokens."""
-    x, ids, feat, prior, margin = _scored(logits, feature)
-    if margin is not None:
-        if x.device.type == "cpu":
-            tie = margin == 0
-            if bool(tie.any()):  # free on the host; rare
-                ids = torch.where(tie, x.argmax(dim=-1), ids)
-        else:  # on a GPU the tie check would wait for the device; a second pass does not
-            ids = x.argmax(dim=-1)
+    ids, feat, prior = _scored(logits, feature)
     return ids, (feat, prior)
 
 

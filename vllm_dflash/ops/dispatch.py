@@ -1,4 +1,4 @@
-"""The one dispatch policy of the six ops: native kernel or pure-torch reference.
+"""The one dispatch policy of the seven ops: native kernel or pure-torch reference.
 
 An op runs natively when the library is built, VLLM_DFLASH_NATIVE_OPS is not
 0 (read at each call, so a debugging switch takes effect at once) and the
@@ -24,6 +24,7 @@ OPS = (
     "store_context_kv_layer",
     "store_context_kv_fused",
     "rms_norm",
+    "logits_top2",
     "prepare_dflash_inputs",
     "rejection_sample",
 )

@@ -51,6 +51,11 @@ def _register_fakes() -> None:
     def _rms_norm_fake(input, weight, eps):
         return torch.empty_like(input, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("vllm_dflash::logits_top2")
+    def _logits_top2_fake(logits):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
+
     @torch.library.register_fake("vllm_dflash::prepare_dflash_inputs")
     def _prepare_dflash_inputs_fake(query_start_loc, num_rejected, target_positions, slot_mapping, next_token_ids,
                                     block_table, block_size, mask_token_id, num_speculative_tokens, num_rows,

@@ -231,6 +231,18 @@ def store_context_kv_fused_ref(
 # --------------------------------------------------------------------------
 
 
+def logits_top2_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: (torch.argmax, the first index of the maximum; top-1 minus top-2 of the
+    float32 logits, from torch.topk: 0 where the maximum appears twice)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits_top2: logits must be [rows, vocab], got {list(logits.shape)}")
+    x = logits.float()
+    if x.shape[0] == 0:
+        return x.new_empty(0, dtype=torch.int64), x.new_empty(0)
+    top = x.topk(2, dim=-1).values
+    return x.argmax(dim=-1), top[:, 0] - top[:, 1]
+
+
 def rms_norm_ref(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """vLLM's native RMSNorm (vllm/ir/ops/layernorm.py) and transformers'
     Qwen3RMSNorm: fp32 statistics, rounded to the dtype before the weight."""

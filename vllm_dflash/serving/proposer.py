@@ -589,10 +589,8 @@ class DFlashProposer(DrafterBase):
                                                        probs.device).repeat_interleave(width)
                 conf = sampled_confidence(conf, probs, draft_ids, sampled)
             return draft_ids, conf
-        if logits.dtype != torch.float32 and logits.device.type == "cpu":
-            # CPU argmax over bf16/fp16 is several times slower than converting first
-            # (the conversion is exact, so the result and its tie-breaking are the same).
-            logits = logits.float()
+        if logits.device.type == "cpu":  # one vectorised pass, argmax's first index on ties
+            return ops.logits_top2(logits)[0], conf
         return logits.argmax(dim=-1), conf
 
     def _seeded_draft_generators(self, sampling_metadata: SamplingMetadata, batch_size: int) -> dict:
