@@ -414,17 +414,23 @@ def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
     assert len(drafts) == total + 1  # D(R, q + 1): every step's own
 
 
+def _curves_say_drafting_pays_at_2() -> AdaptiveSpeculation:
+    """Warmed up, no exploration or probes; curves at 2 requests where verification is nearly free."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
+                               probe_probability=0.0)
+    for t in range(1, K + 2):
+        spec.controller.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
+        spec.controller.draft_cost.observe(2, t, 1e-3)
+    return spec
+
+
 def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
     """Curves that say drafting pays at 2 requests, and no cycle without drafts measured there:
     the first plan to draft becomes a run of first_no_draft_steps steps without drafts, whose
     cycles after the first (the switch) reach the arms and E(R, 1); then the plan drafts, and
     that size never gets such a run again, even with its arm faded."""
-    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
-                               probe_probability=0.0)
+    spec = _curves_say_drafting_pays_at_2()
     c = spec.controller
-    for t in range(1, K + 2):
-        c.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
-        c.draft_cost.observe(2, t, 1e-3)
     kinds, reasons, verified, now = [], [], [0, 0], 0.0
     for _ in range(c.first_no_draft_steps + 6):
         plan, budgets = step(spec, now, ["a", "b"], verified, [min(1, v) for v in verified], 2 + sum(verified),
@@ -444,12 +450,7 @@ def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
 
 
 def test_a_size_measured_without_drafts_drafts_at_once():
-    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
-                               probe_probability=0.0)
-    c = spec.controller
-    for t in range(1, K + 2):
-        c.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
-        c.draft_cost.observe(2, t, 1e-3)
-    c.arms.observe(2, False, 8e-3, 2)
+    spec = _curves_say_drafting_pays_at_2()
+    spec.controller.arms.observe(2, False, 8e-3, 2)
     plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
     assert plan.q == K and plan.reason != PROBE

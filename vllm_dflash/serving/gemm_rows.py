@@ -74,20 +74,21 @@ def shape_compiled_linears(*models: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _input_size(linear: nn.Module) -> int | None:
-    for name in ("input_size_per_partition", "embedding_dim"):
+def _size(linear: nn.Module, *names: str) -> int | None:
+    """The first of `names` the layer holds as an int (vLLM's linears and embeddings name them differently)."""
+    for name in names:
         size = getattr(linear, name, None)
         if isinstance(size, int):
             return size
     return None
+
+
+def _input_size(linear: nn.Module) -> int | None:
+    return _size(linear, "input_size_per_partition", "embedding_dim")
 
 
 def _output_size(linear: nn.Module) -> int | None:
-    for name in ("output_size_per_partition", "num_embeddings_per_partition"):
-        size = getattr(linear, name, None)
-        if isinstance(size, int):
-            return size
-    return None
+    return _size(linear, "output_size_per_partition", "num_embeddings_per_partition")
 
 
 @torch.inference_mode()
