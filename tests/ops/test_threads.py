@@ -60,6 +60,12 @@ def _rms_norm():
     return ops.rms_norm(x, (torch.rand(256, generator=g) + 0.5).to(torch.bfloat16), 1e-6)
 
 
+def _logits_top2():
+    x = torch.randn(240, 8192, generator=_gen()).to(torch.bfloat16)
+    ids, margin = ops.logits_top2(x)
+    return torch.cat([ids.double(), margin.double()])
+
+
 def _prepare_inputs():
     batch, q = 32, 8
     qsl = torch.arange(batch + 1, dtype=torch.int32) * q
@@ -90,6 +96,7 @@ CASES = {
     "store_context_kv_layer": _store_layer,
     "store_context_kv_fused": _store_fused,
     "rms_norm": _rms_norm,
+    "logits_top2": _logits_top2,
     "prepare_dflash_inputs": _prepare_inputs,
     "rejection_sample": _rejection_sample,
 }

@@ -56,6 +56,26 @@ def test_only_linears_whose_weight_went_into_a_kernel_are_found():
     assert gemm_rows.shape_compiled_linears(model) == [model[0]]
 
 
+class FakeReplicatedLinear(FakeLinear):
+    """vLLM's ReplicatedLinear names its sizes input_size / output_size (no per-partition ones)."""
+
+    def __init__(self, size_in: int, size_out: int):
+        super().__init__(size_in, size_out)
+        del self.input_size_per_partition, self.output_size_per_partition
+        self.input_size, self.output_size = size_in, size_out
+
+    def cpu_linear(self, x, weight, bias):
+        assert weight is None and x.shape[1] == self.input_size
+        self.rows.append(x.shape[0])
+        return torch.zeros(x.shape[0], self.output_size, dtype=x.dtype)
+
+
+def test_replicated_linears_get_their_kernels_too():
+    fc = FakeReplicatedLinear(40, 8)
+    shapes, _, _ = gemm_rows.make_kernels([fc, FakeLinear(8, 16)], 100, torch.float32)
+    assert shapes == 2 and fc.rows == gemm_rows.grid(100)
+
+
 def test_kernels_are_made_once_per_weight_shape_at_every_grid_row_count():
     a, b, c, d = FakeLinear(8, 16), FakeLinear(8, 16), FakeLinear(16, 8), FakeLinear(8, 16, bias=True)
     shapes, counts, _ = gemm_rows.make_kernels([a, b, c, d], 300, torch.bfloat16)

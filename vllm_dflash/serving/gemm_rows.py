@@ -84,11 +84,13 @@ def _size(linear: nn.Module, *names: str) -> int | None:
 
 
 def _input_size(linear: nn.Module) -> int | None:
-    return _size(linear, "input_size_per_partition", "embedding_dim")
+    # Column/row-parallel layers hold their shard's sizes; ReplicatedLinear (the draft's fc and
+    # context K/V projection) only the whole ones, which are its own.
+    return _size(linear, "input_size_per_partition", "input_size", "embedding_dim")
 
 
 def _output_size(linear: nn.Module) -> int | None:
-    return _size(linear, "output_size_per_partition", "num_embeddings_per_partition")
+    return _size(linear, "output_size_per_partition", "output_size", "num_embeddings_per_partition")
 
 
 @torch.inference_mode()
