@@ -56,3 +56,12 @@ def test_bad_input_names_the_op_and_the_fix():
         ops.logits_top2(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="logits_top2: unsupported dtype Int; use float32, float16 or bfloat16"):
         ops.logits_top2(torch.zeros(2, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_argmax_is_torch_argmax_for_any_leading_shape(device, dtype):
+    x = torch.randn(3, 5, 700, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1, 2, 10] = x[1, 2, 600] = x[1, 2].max() + 1  # a tie: the first index
+    x = x.to(device)
+    got = ops.logits_argmax(x)
+    assert got.shape == (3, 5) and torch.equal(got, x.argmax(dim=-1)) and got[1, 2] == 10

@@ -27,7 +27,7 @@ from vllm_dflash.ops.context_kv import store_context_kv_fused, store_context_kv_
 from vllm_dflash.ops.hidden_states import gather_hidden_states
 from vllm_dflash.ops.kv_layout import KV_LAYOUTS, resolve_kv_layout
 from vllm_dflash.ops.native import HAS_NATIVE
-from vllm_dflash.ops.logits import logits_top2
+from vllm_dflash.ops.logits import logits_argmax, logits_top2
 from vllm_dflash.ops.norm import rms_norm
 from vllm_dflash.ops.reference import DFlashStepInputs
 from vllm_dflash.ops.rejection import rejection_sample
@@ -39,6 +39,7 @@ __all__ = [
     "DFlashStepInputs",
     "dispatch",
     "gather_hidden_states",
+    "logits_argmax",
     "logits_top2",
     "prepare_dflash_inputs",
     "reference",

@@ -122,14 +122,14 @@ def _pad_target_rows_to_the_gemm_grid() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def make(original):
+        from vllm_dflash.serving.gemm_rows import padded_rows
+
         def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, *args, **kwargs):
             result = original(self, num_tokens, num_reqs, *args, **kwargs)
             limit = getattr(getattr(self, "drafter", None), "gemm_row_limit", None)
             mode, descriptor, should_ubatch, across_dp, stats = result
             if limit is None or num_tokens == num_reqs or across_dp is not None or descriptor.num_tokens != num_tokens:
                 return result  # plain decode, or padded already (CUDA graphs, data parallel)
-            from vllm_dflash.serving.gemm_rows import padded_rows
-
             padded = padded_rows(num_tokens, min(limit, self.max_num_tokens))
             if padded == num_tokens:
                 return result

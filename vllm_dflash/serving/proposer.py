@@ -52,12 +52,12 @@ from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confid
                                               sampled_confidence)
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
+from vllm_dflash.serving import gemm_rows
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
 from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, joined, max_held_rows
 from vllm_dflash.serving.draft_model import DFlashDraftForCausalLM
 from vllm_dflash.serving.draft_resolution import dflash_config_of
 from vllm_dflash.serving.drafter_base import DrafterBase
-from vllm_dflash.serving import gemm_rows
 from vllm_dflash.verifier import sampling_params
 from vllm_dflash.verifier.draft import sample_drafts
 from vllm_dflash.verifier.sampler import min_p_per_request
@@ -589,9 +589,7 @@ class DFlashProposer(DrafterBase):
                                                        probs.device).repeat_interleave(width)
                 conf = sampled_confidence(conf, probs, draft_ids, sampled)
             return draft_ids, conf
-        if logits.device.type == "cpu":  # one vectorised pass, argmax's first index on ties
-            return ops.logits_top2(logits)[0], conf
-        return logits.argmax(dim=-1), conf
+        return ops.logits_argmax(logits), conf
 
     def _seeded_draft_generators(self, sampling_metadata: SamplingMetadata, batch_size: int) -> dict:
         """{row: generator} for sampled drafts: a seeded request draws its drafts from
