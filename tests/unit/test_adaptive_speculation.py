@@ -451,6 +451,17 @@ def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
 
 def test_a_size_measured_without_drafts_drafts_at_once():
     spec = _curves_say_drafting_pays_at_2()
-    spec.controller.arms.observe(2, False, 8e-3, 2)
+    arms = spec.controller.arms
+    while arms.cycles(2, False) < arms.min_cycles:
+        arms.observe(2, False, 8e-3, 2)
     plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
     assert plan.q == K and plan.reason != PROBE
+
+
+def test_a_size_with_too_few_no_draft_cycles_for_a_verdict_still_measures_them_first():
+    """A warm-up cycle or two without drafts is no measurement the arms can use: the first
+    plan to draft still becomes the run without drafts."""
+    spec = _curves_say_drafting_pays_at_2()
+    spec.controller.arms.observe(2, False, 8e-3, 2)
+    plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
+    assert plan.q == 0 and plan.reason == PROBE

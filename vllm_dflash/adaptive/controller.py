@@ -241,9 +241,9 @@ class BudgetController:
         return plan
 
     def _no_draft_unmeasured(self, requests: int) -> bool:
-        """True once per batch-size knot, at the first plan to draft there, if no cycle without
-        drafts was measured there yet. The no-draft step of a size seen only in drafting (and
-        warm-up, whose scattered no-draft steps are no samples) is priced from other sizes: in a
+        """True once per batch-size knot, at the first plan to draft there, if fewer cycles
+        without drafts were measured there than the arms' verdict needs (`ArmRates.min_cycles`).
+        The no-draft step of a size seen only in drafting (and warm-up, whose scattered no-draft steps are no samples) is priced from other sizes: in a
         bench that meets 4 requests after 1 and 2, E(4, 1) came out 3.1 ms against ~1.9 ms
         measured without speculation, drafting looked 1.6x ahead, and the arms could never say
         otherwise: 0.77-0.91x of no speculation (bfloat16, AVX-512 EPYC)."""
@@ -253,7 +253,9 @@ class BudgetController:
         if knot in self._no_draft_seen:
             return False
         self._no_draft_seen.add(knot)
-        return self.arms.cycles(requests, False) < 1.0
+        # Fewer cycles than the arms need for a verdict count as unmeasured: one warm-up cycle at
+        # 2 requests (2.87 ms, bfloat16) had skipped the run, and drafting ran at 0.94x there.
+        return self.arms.cycles(requests, False) < self.arms.min_cycles
 
     def _start_other_run(self, q: int, reason: str, steps: int | None = None) -> None:
         """A step of the other kind than the plan's (not drafting while the plan drafts: a probe

@@ -118,6 +118,9 @@ class StepCost:
         self.observations = 0
         self._queued: list[tuple[int, float, float]] = []
         self._rows: dict[int, np.ndarray | None] = {}
+        # (requests, tokens per request) -> the cells a sample there weighs on, (r, t, weight):
+        # samples come at few distinct points (most steps repeat the last one's)
+        self._cells: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
 
     @property
     def ready(self) -> bool:
@@ -167,21 +170,27 @@ class StepCost:
         for sample in queued:
             self._fold(*sample)
 
+    def _cells_of(self, requests: int, tokens_per_request: float) -> list[tuple[int, int, float]]:
+        cells = self._cells.get((requests, tokens_per_request))
+        if cells is None:
+            cells = [(r, t, wr * wt) for r, wr in self._r_corners(requests)
+                     for t, wt in self._t_corners(tokens_per_request) if wr * wt > 0]
+            if len(self._cells) < 4096:
+                self._cells[(requests, tokens_per_request)] = cells
+        return cells
+
     def _fold(self, requests: int, tokens_per_request: float, seconds: float) -> None:
-        for r, wr in self._r_corners(requests):
-            for t, wt in self._t_corners(tokens_per_request):
-                w = wr * wt
-                if w <= 0:
-                    continue
-                old_w, old = self.weight[r, t], self.mean[r, t]
-                x = seconds
-                if old_w >= 1.0:  # enough evidence here to call a far-off value an outlier
-                    x = min(max(x, old / self.clip), old * self.clip)
-                keep = max(1.0 - w / self.memory, 0.0)
-                new_w = old_w * keep + w
-                self.mean[r, t] = (old * old_w * keep + x * w) / new_w
-                self.weight[r, t] = new_w
-            self._rows.pop(r, None)
+        weight, mean, rows = self.weight, self.mean, self._rows
+        for r, t, w in self._cells_of(requests, tokens_per_request):
+            old_w, old = float(weight[r, t]), float(mean[r, t])
+            x = seconds
+            if old_w >= 1.0:  # enough evidence here to call a far-off value an outlier
+                x = min(max(x, old / self.clip), old * self.clip)
+            keep = max(1.0 - w / self.memory, 0.0)
+            new_w = old_w * keep + w
+            mean[r, t] = (old * old_w * keep + x * w) / new_w
+            weight[r, t] = new_w
+            rows.pop(r, None)
 
     def _row(self, r: int) -> np.ndarray | None:
         """[T] fitted curve of row r over the t knots, None without data.

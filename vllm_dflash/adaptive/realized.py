@@ -29,8 +29,6 @@ import numpy as np
 
 from vllm_dflash.adaptive.cost_model import nearest_knot
 
-NO_DRAFT, DRAFT = 0, 1
-
 
 class RealizedRatio:
     """Per (batch-size knot, drafted or not): forgetting mean of log(realised / forecast seconds)."""
@@ -42,8 +40,20 @@ class RealizedRatio:
         self.knots = [float(k) for k in knots]
         self.memory, self.min_cycles, self.log_clip = float(memory), float(min_cycles), math.log(clip)
         self.stale_factor = float(stale_factor)
-        self.log_sum = np.zeros((len(self.knots), 2))
-        self.weight = np.zeros((len(self.knots), 2))
+        self._keep, self._fade = 1.0 - 1.0 / self.memory, 1.0 - 1.0 / (self.memory * self.stale_factor)
+        # Per knot and kind: [log sum, weight]. Python floats: updated every step (numpy scalar
+        # indexing made this a fifth of a coasting step's bookkeeping).
+        self._sums = [[[0.0, 0.0], [0.0, 0.0]] for _ in self.knots]
+
+    @property
+    def log_sum(self) -> np.ndarray:
+        """[knots, kind] forgetting sums of log(realised / forecast)."""
+        return np.array([[kind[0] for kind in knot] for knot in self._sums])
+
+    @property
+    def weight(self) -> np.ndarray:
+        """[knots, kind] forgetting cycle counts."""
+        return np.array([[kind[1] for kind in knot] for knot in self._sums])
 
     def key(self, requests: int) -> int:
         """The nearest knot."""
@@ -59,27 +69,20 @@ class RealizedRatio:
         if expected_tokens > 0 and tokens > 0:
             x += math.log(expected_tokens / tokens)
         x = min(max(x, -self.log_clip), self.log_clip)
-        i, j = self.key(requests), int(drafted)
-        keep = 1.0 - 1.0 / self.memory
-        self.log_sum[i, j] = self.log_sum[i, j] * keep + x
-        self.weight[i, j] = self.weight[i, j] * keep + 1.0
+        knot, keep, fade = self._sums[self.key(requests)], self._keep, self._fade
+        mine, other = knot[int(drafted)], knot[1 - int(drafted)]
+        mine[0], mine[1] = mine[0] * keep + x, mine[1] * keep + 1.0
         # The other kind's evidence goes stale while this kind runs: a factor that once
         # made drafting look bad would otherwise hold speculation off for good (a plan of
         # no draft measures only no-draft cycles; exploration adds a drafting cycle once
         # in a few hundred steps). It fades `stale_factor` times slower than it learns.
-        other = 1 - j
-        fade = 1.0 - 1.0 / (self.memory * self.stale_factor)
-        self.log_sum[i, other] *= fade
-        self.weight[i, other] *= fade
+        other[0], other[1] = other[0] * fade, other[1] * fade
 
     def factors(self, requests: int) -> tuple[float, float]:
         """(no-draft, drafting) factors on forecast seconds at this batch size; 1 where unmeasured."""
-        i = self.key(requests)
-        out = []
-        for j in (NO_DRAFT, DRAFT):
-            w = self.weight[i, j]
-            out.append(math.exp(self.log_sum[i, j] / w) if w >= self.min_cycles - 1e-6 else 1.0)
-        return out[0], out[1]
+        knot, least = self._sums[self.key(requests)], self.min_cycles - 1e-6
+        no_draft, drafting = (math.exp(log_sum / w) if w >= least else 1.0 for log_sum, w in knot)
+        return no_draft, drafting
 
 
 class SpeedIndex:
@@ -146,6 +149,7 @@ class ArmRates:
         self.knots = [float(k) for k in knots]
         self.memory, self.min_cycles, self.stale_factor = float(memory), float(min_cycles), float(stale_factor)
         self.z, self.noise_floor = float(z), float(noise_floor)
+        self._keep, self._fade = 1.0 - 1.0 / self.memory, 1.0 - 1.0 / (self.memory * self.stale_factor)
         # Per knot and arm (no draft, draft): forgetting sums of tokens, seconds, cycles, and the
         # per-cycle log rate and its square (the noise). Python floats: read on every step.
         self._sums = [[[0.0] * 5 for _ in range(2)] for _ in self.knots]
@@ -155,11 +159,10 @@ class ArmRates:
         if not (seconds > 0 and tokens > 0 and requests > 0):
             return
         arms = self._sums[nearest_knot(self.knots, requests)]
-        keep = 1.0 - 1.0 / self.memory
-        x = math.log(tokens / seconds)
-        arms[int(drafted)] = [s * keep + v for s, v in zip(arms[int(drafted)], (tokens, seconds, 1.0, x, x * x))]
-        fade = 1.0 - 1.0 / (self.memory * self.stale_factor)
-        arms[1 - int(drafted)] = [s * fade for s in arms[1 - int(drafted)]]
+        keep, fade, x = self._keep, self._fade, math.log(tokens / seconds)
+        t, s, n, lx, lx2 = arms[int(drafted)]
+        arms[int(drafted)] = [t * keep + tokens, s * keep + seconds, n * keep + 1.0, lx * keep + x, lx2 * keep + x * x]
+        arms[1 - int(drafted)] = [v * fade for v in arms[1 - int(drafted)]]
 
     def cycles(self, requests: int, drafted: bool) -> float:
         """The (forgetting) count of cycles behind an arm's rate."""

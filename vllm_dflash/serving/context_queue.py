@@ -128,6 +128,9 @@ class DeferredContext:
         self.max_rows = max_rows
         self.prefault = prefault
         self._buffers: ContextRows | None = None  # the rows' home: [capacity, ...] per field, reused
+        # Host buffers' positions and slots as numpy views: a numpy row copy costs a fraction of a
+        # tensor slice and copy_ (the hold runs once per step, between target forwards)
+        self._host_index: tuple | None = None
         self._owners: list[tuple[int, list[str] | None]] = []  # per held batch: (rows, each row's request id)
         self._rows = 0
         self.dropped_rows = 0  # rows of finished requests never written (a count, for tests and profiles)
@@ -265,8 +268,13 @@ class DeferredContext:
             features[start:start + n].copy_(blocks[0])
         else:  # one op into the rows (whole rows of the buffer: contiguous), not one strided copy per block
             torch.cat(blocks, dim=1, out=features[start:start + n])
-        self._buffers.positions[start:start + n].copy_(positions)
-        self._buffers.slots[start:start + n].copy_(slots)
+        host = self._host_index
+        if host is not None and positions.device.type == "cpu" and slots.device.type == "cpu":
+            host[0][start:start + n] = positions.numpy()
+            host[1][start:start + n] = slots.numpy()
+        else:
+            self._buffers.positions[start:start + n].copy_(positions)
+            self._buffers.slots[start:start + n].copy_(slots)
         self._rows = start + n
 
     def _reserve(self, needed: int, blocks: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -287,3 +295,5 @@ class DeferredContext:
             for new, old in zip(grown, self._buffers):
                 new[:self._rows].copy_(old[:self._rows])
         self._buffers = grown
+        on_host = grown.positions.device.type == "cpu" and grown.slots.device.type == "cpu"
+        self._host_index = (grown.positions.numpy(), grown.slots.numpy()) if on_host else None

@@ -100,8 +100,10 @@ class DFlashProposer(DrafterBase):
         # verified drafts, discard_request_mask (adaptive budgets, seeded draft sampling).
         self.runner = runner
         self.last_draft_block: torch.Tensor | None = None  # [B, q] drafts of the last query block
+        self._no_draft_blocks: dict[int, torch.Tensor] = {}  # per batch size, the [B, 0] block of a step drafting none
         self.confidence_feature = DEFAULT_FEATURE
         self._tp_size, tp_rank = _tensor_parallel()
+        self._on_cuda = self.device.type == "cuda"
         self.adaptive = self._build_adaptive(vllm_config, runner, tp_rank) if adaptive_enabled(spec) else None
         # Adaptive steps that draft nothing hold their context writes back until drafting resumes.
         feature_bytes = (len(self.dflash_config.target_layer_ids) * vllm_config.model_config.get_hidden_size()
@@ -272,7 +274,7 @@ class DFlashProposer(DrafterBase):
         self._write_context(ContextRows(features, step.context_positions, step.context_slots),
                             hold=q == 0 and self.adaptive is not None)
         if q == 0:  # nothing to draft (the context is written or queued)
-            self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+            self.last_draft_block = self._no_draft_block(batch_size)
             return self.last_draft_block, None
 
         if self.device.type == "cpu":  # the exact values are already on the host
@@ -424,11 +426,16 @@ class DFlashProposer(DrafterBase):
             if q > 0:
                 self._planned_q = q
                 return None
-        features = tuple(h[:num_tokens] for h in aux_hidden_states)  # copied side by side into the queue
-        rows = ContextRows(features, runner._get_positions(num_tokens), common_attn_metadata.slot_mapping[:num_tokens])
+        # Copied side by side into the queue. Each tensor op here costs microseconds between
+        # target forwards (the step runs cold), so exact-sized inputs are not sliced.
+        features = (aux_hidden_states if aux_hidden_states[0].shape[0] == num_tokens
+                    else tuple(h[:num_tokens] for h in aux_hidden_states))
+        slots = common_attn_metadata.slot_mapping
+        rows = ContextRows(features, runner._get_positions(num_tokens),
+                           slots if slots.shape[0] == num_tokens else slots[:num_tokens])
         self._write_context(rows, hold=True, owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
         self.last_draft_probs = None
-        self.last_draft_block = torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+        self.last_draft_block = self._no_draft_block(batch_size)
         if coasting:
             self.adaptive.end_coast(t0, time.perf_counter(), not_drafting=self._not_drafting_seconds)
             self._not_drafting_seconds = 0.0
@@ -437,6 +444,14 @@ class DFlashProposer(DrafterBase):
             drafts = self._finish_adaptive(self.last_draft_block, None)
         self.handed_no_drafts = drafts  # every list empty: the scheduler has nothing to take
         return drafts
+
+    def _no_draft_block(self, batch_size: int) -> torch.Tensor:
+        """The [B, 0] draft block of a step that drafts nothing (one per batch size, never written)."""
+        block = self._no_draft_blocks.get(batch_size)
+        if block is None:
+            block = self._no_draft_blocks[batch_size] = torch.empty(batch_size, 0, dtype=torch.int64,
+                                                                    device=self.device)
+        return block
 
     @staticmethod
     def _row_owners(req_ids: list[str], num_tokens: int, cad: CommonAttentionMetadata) -> list[str]:
@@ -530,7 +545,7 @@ class DFlashProposer(DrafterBase):
 
     def _step_clock(self) -> float:
         """Now, once the step's device work is done: it belongs to the step, not to the draft time."""
-        if self.device.type == "cuda":
+        if self._on_cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
