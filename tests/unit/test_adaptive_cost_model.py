@@ -215,3 +215,25 @@ def test_a_step_where_some_requests_verified_drafts_is_no_sample_of_the_no_draft
         c.observe(4, 1.25, 4.5e-3)
     assert c.predict(4, [1.0])[0] == pytest.approx(2e-3, rel=1e-6)
     assert 4.5e-3 < c.predict(4, [2.0])[0] < 5e-3
+
+
+def test_samples_of_steps_without_drafts_give_exactly_what_a_refit_gives():
+    """A sample at t = 1 (a step that drafts nothing) updates a row's cached curve in place (the
+    fit over t >= 2 does not read it) instead of refitting it: predictions equal those of a
+    surface refitted from scratch after every sample, through rows that gain t = 1 evidence,
+    rows without any t >= 2 evidence, samples between knots, and drafting samples mixed in."""
+    rng = np.random.default_rng(3)
+    cached, refitted = StepCost(8, 16), StepCost(8, 16)
+    tokens = 1.0 + np.arange(8)
+    for i in range(600):
+        requests = int(rng.choice([1, 2, 3, 4, 5, 8, 12, 16]))
+        t = 1.0 if rng.random() < 0.8 or i < 40 else float(rng.choice([1.5, 2.0, 3.5, 8.0]))
+        seconds = 1e-3 * requests ** 0.5 * (1.0 + 0.3 * (t - 1.0)) * rng.lognormal(0.0, 0.2)
+        for cost in (cached, refitted):
+            cost.observe(requests, t, seconds)
+        refitted.fold_queued()
+        refitted._rows.clear()  # every row fitted afresh
+        if cached.ready and i % 7 == 0:
+            for r in (1, 3, 4, 9, 16):
+                np.testing.assert_array_equal(cached.predict(r, tokens), refitted.predict(r, tokens))
+    assert cached._fitted_rows  # the in-place path ran

@@ -23,6 +23,19 @@ def test_counters_and_calibration_rows():
     assert rows[3]["predicted"] == pytest.approx(0.2) and rows[3]["realised"] == 0.0
 
 
+def test_a_step_without_drafts_counts_as_record_step_counts_it():
+    """record_no_drafts (a coasting step's three scalar updates) leaves what record_step(0, R,
+    "optimal") leaves, in a memory-mapped file too."""
+    fast, full = st.AdaptiveStats(5), st.AdaptiveStats(5)
+    for requests in (1, 7, 64):
+        fast.record_no_drafts(requests)
+        full.record_step(0, requests, "optimal")
+    fast.record_step(3, np.array([1, 3]), "explore")
+    full.record_step(3, np.array([1, 3]), "explore")
+    assert fast.snapshot() == full.snapshot()
+    assert fast.snapshot()["budget_hist"][0] == 72 and fast.snapshot()["steps"]["optimal"] == 3
+
+
 def test_one_row_outcomes_count_as_the_batched_ones():
     """Concurrency 1 takes a slice-update shortcut; it must count what the batched path counts."""
     rng = np.random.default_rng(0)

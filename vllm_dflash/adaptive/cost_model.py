@@ -121,6 +121,8 @@ class StepCost:
         # (requests, tokens per request) -> the cells a sample there weighs on, (r, t, weight):
         # samples come at few distinct points (most steps repeat the last one's)
         self._cells: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
+        # Rows whose cached curve is a fit over t >= 2 (`_row`): a sample at t = 1 moves only its first value
+        self._fitted_rows: set[int] = set()
 
     @property
     def ready(self) -> bool:
@@ -190,6 +192,15 @@ class StepCost:
             new_w = old_w * keep + w
             mean[r, t] = (old * old_w * keep + x * w) / new_w
             weight[r, t] = new_w
+            curve = rows.get(r)
+            if t == 0 and curve is not None and r in self._fitted_rows:
+                # The fit over t >= 2 does not read t = 1: what a refit would give, without refitting
+                # (steps that draft nothing sample only t = 1, and refits were most of a replan then).
+                if new_w >= self.min_weight:
+                    curve = curve.copy()
+                    curve[0] = min(float(mean[r, 0]), curve[1])
+                    rows[r] = curve
+                continue
             rows.pop(r, None)
 
     def _row(self, r: int) -> np.ndarray | None:
@@ -206,10 +217,12 @@ class StepCost:
         curve = None
         rest = known.copy()
         rest[0] = False
+        self._fitted_rows.discard(r)
         if rest.any():
             curve = self._fit(self.t_knots[rest], self.mean[r][rest], w[rest])
             if known[0]:
                 curve[0] = min(self.mean[r, 0], curve[1])  # non-decreasing across the jump
+            self._fitted_rows.add(r)
         elif known[0]:
             curve = self.mean[r, 0] * self.t_knots  # pessimistic until a longer block is measured
         self._rows[r] = curve

@@ -195,7 +195,7 @@ class AdaptiveSpeculation:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
         bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
         requests = len(self._prev_req_list)
-        self.stats.record_step(0, requests, OPTIMAL)
+        self.stats.record_no_drafts(requests)
         self._run_log.append([start, requests, 0, now, not_drafting, 0, 0.0])
 
     def fold_runs(self) -> None:

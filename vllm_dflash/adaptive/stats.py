@@ -53,6 +53,18 @@ class AdaptiveStats:
         self._vec[:] = 0.0
         self._vec[:_HEADER] = (_MAGIC, _VERSION, k)
         self._views = {name: self._vec[o:o + n] for name, (o, n) in _layout(k).items()}
+        layout = _layout(k)
+        # Where a step that drafts nothing counts (`record_no_drafts`): optimal steps, q = 0, budget 0.
+        self._no_draft_cells = (layout["steps"][0] + REASONS.index("optimal"), layout["query_hist"][0],
+                                layout["budget_hist"][0])
+
+    def record_no_drafts(self, requests: int) -> None:
+        """record_step(0, requests, "optimal") in three scalar updates: the commonest step where
+        speculation does not pay (a coasting step), which must cost what a plain step costs."""
+        vec, (steps, query, budget) = self._vec, self._no_draft_cells
+        vec[steps] += 1.0
+        vec[query] += 1.0
+        vec[budget] += requests
 
     def record_step(self, q: int, budgets: np.ndarray | int, reason: str) -> None:
         """A step of query length q and these budgets (an int: that many requests budgeted 0)."""
