@@ -243,10 +243,11 @@ class BudgetController:
     def _no_draft_unmeasured(self, requests: int) -> bool:
         """True once per batch-size knot, at the first plan to draft there, if fewer cycles
         without drafts were measured there than the arms' verdict needs (`ArmRates.min_cycles`).
-        The no-draft step of a size seen only in drafting (and warm-up, whose scattered no-draft steps are no samples) is priced from other sizes: in a
-        bench that meets 4 requests after 1 and 2, E(4, 1) came out 3.1 ms against ~1.9 ms
-        measured without speculation, drafting looked 1.6x ahead, and the arms could never say
-        otherwise: 0.77-0.91x of no speculation (bfloat16, AVX-512 EPYC)."""
+        The no-draft step of a size seen only in drafting (and warm-up, whose scattered no-draft
+        steps are no samples) is priced from other sizes: in a bench that meets 4 requests after
+        1 and 2, E(4, 1) came out 3.1 ms against ~1.9 ms measured without speculation, drafting
+        looked 1.6x ahead, and the arms could never say otherwise: 0.77-0.91x of no speculation
+        (bfloat16, AVX-512 EPYC)."""
         if self.first_no_draft_steps == 0:
             return False
         knot = nearest_knot(self._knots, requests)

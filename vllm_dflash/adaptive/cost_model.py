@@ -177,7 +177,7 @@ class StepCost:
         if cells is None:
             cells = [(r, t, wr * wt) for r, wr in self._r_corners(requests)
                      for t, wt in self._t_corners(tokens_per_request) if wr * wt > 0]
-            if len(self._cells) < 4096:
+            if len(self._cells) < 4096:  # prompt chunks give fractional points: the cache stays bounded
                 self._cells[(requests, tokens_per_request)] = cells
         return cells
 
@@ -192,16 +192,15 @@ class StepCost:
             new_w = old_w * keep + w
             mean[r, t] = (old * old_w * keep + x * w) / new_w
             weight[r, t] = new_w
-            curve = rows.get(r)
-            if t == 0 and curve is not None and r in self._fitted_rows:
+            curve = rows.get(r) if t == 0 and r in self._fitted_rows else None
+            if curve is None:
+                rows.pop(r, None)
+            elif new_w >= self.min_weight:
                 # The fit over t >= 2 does not read t = 1: what a refit would give, without refitting
                 # (steps that draft nothing sample only t = 1, and refits were most of a replan then).
-                if new_w >= self.min_weight:
-                    curve = curve.copy()
-                    curve[0] = min(float(mean[r, 0]), curve[1])
-                    rows[r] = curve
-                continue
-            rows.pop(r, None)
+                curve = curve.copy()
+                curve[0] = min(float(mean[r, 0]), curve[1])
+                rows[r] = curve
 
     def _row(self, r: int) -> np.ndarray | None:
         """[T] fitted curve of row r over the t knots, None without data.

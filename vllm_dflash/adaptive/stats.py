@@ -52,8 +52,8 @@ class AdaptiveStats:
             self._vec = np.memmap(path, dtype=np.float64, mode="w+", shape=(size,)).view(np.ndarray)
         self._vec[:] = 0.0
         self._vec[:_HEADER] = (_MAGIC, _VERSION, k)
-        self._views = {name: self._vec[o:o + n] for name, (o, n) in _layout(k).items()}
         layout = _layout(k)
+        self._views = {name: self._vec[o:o + n] for name, (o, n) in layout.items()}
         # Where a step that drafts nothing counts (`record_no_drafts`): optimal steps, q = 0, budget 0.
         self._no_draft_cells = (layout["steps"][0] + REASONS.index("optimal"), layout["query_hist"][0],
                                 layout["budget_hist"][0])
