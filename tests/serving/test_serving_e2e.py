@@ -131,6 +131,15 @@ class ProposalRecorder:
         self.original_unverified = getattr(drafter, "propose_unverified_step", None)
         if self.original_unverified is not None:
             drafter.propose_unverified_step = self.propose_unverified_step
+        self.quick_coasting_steps = 0  # of those, steps that continued a coasting run the quick way
+        original_quick = getattr(drafter, "_coast_on", None)
+        if original_quick is not None:
+            def counting_quick(*args):
+                drafts = original_quick(*args)
+                self.quick_coasting_steps += drafts is not None
+                return drafts
+
+            drafter._coast_on = counting_quick
         # Per sampled step: None (plain step, vLLM's own sampler) or the longest draft verified.
         self.verified_spec_len: list[int | None] = []
         self.original_sample = runner._sample
@@ -261,6 +270,7 @@ def _run_workload(llm, k: int | None, phases) -> dict:
             result[f"proposals_{phase}"] = recorder.calls[start:]
             result[f"handed_{phase}"] = recorder.handed[start:]
             result[f"unverified_steps_{phase}"] = recorder.unverified_steps
+            result[f"quick_coasting_steps_{phase}"] = recorder.quick_coasting_steps
     if recorder:
         result["verified_spec_len"] = recorder.verified_spec_len
         result["target_rows"] = recorder.target_rows
@@ -510,6 +520,8 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
         # and (all but its first step, which verified the last drafts) it skipped vLLM's drafting
         # glue, its context held back until drafting resumed
         assert run["unverified_steps_batch8"] >= PAUSE[1] - PAUSE[0] - 1
+        # most of them coasted, continuing their run the proposer's quick way (DFlashProposer._coast_on)
+        assert run["quick_coasting_steps_batch8"] >= (PAUSE[1] - PAUSE[0]) // 2, run["quick_coasting_steps_batch8"]
         # the write of the held rows was timed: the controller prices the next switch to drafting by it
         assert run["switch_cost_wired"] and run["context_row_seconds"] > 0
 

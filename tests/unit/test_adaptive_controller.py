@@ -8,6 +8,7 @@ import pytest
 from vllm_dflash.adaptive.calibration import GREEDY
 from vllm_dflash.adaptive.controller import (
     EXPLORE,
+    NO_DRAFT_REFRESH_FACTOR,
     OPTIMAL,
     WARMUP,
     BudgetController,
@@ -279,13 +280,17 @@ def test_a_plan_of_no_draft_at_one_request_is_redone_as_its_request_row_fades():
     assert c16.plan(ids, np.full(16, GREEDY)).q == 0  # verifying costs what a step yields: no draft
     assert c16._cache[16].interval == min(c16.refresh_steps, int(c16.prior.fade_steps * 16))
     # Requests without rows of their own (none drafted lately): nothing fades, and the same plan
-    # is trusted twice as long at each replan, up to 4 x refresh_steps, past R x fade_steps.
+    # is trusted twice as long at each replan, up to NO_DRAFT_REFRESH_FACTOR x refresh_steps (a
+    # plan without drafts), past R x fade_steps.
     c4 = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.0)
     ids4, kinds4 = [f"r{i}" for i in range(4)], np.full(4, GREEDY)
     assert not c4.prior.fading(ids4)
-    for _ in range(200):
+    intervals = []
+    for _ in range(600):
         assert c4.plan(ids4, kinds4).q == 0
-    assert c4._cache[4].interval == 4 * c4.refresh_steps > c4.prior.fade_steps * 4
+        intervals.append(c4._cache[4].interval)
+    assert sorted(set(intervals)) == [c4.refresh_steps * f for f in (1, 2, 4, 8, 16)]
+    assert c4._cache[4].interval == NO_DRAFT_REFRESH_FACTOR * c4.refresh_steps > c4.prior.fade_steps * 4
     c4.prior.record(ids4[:1], kinds4[:1], np.cumprod(np.full(K, 0.02))[None, :])  # one request's own poor row
     assert c4.prior.fading(ids4)
     c4._cache.clear()

@@ -121,9 +121,32 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
     assert spec.stats.snapshot()["query_hist"][0] == 11 and spec.stats.snapshot()["budget_hist"][0] == 22
     assert not spec.coast(now + 0.01, ["a", "c"], 2)  # another batch
     assert not spec.coast(now + 0.01, list(ids), 5)  # not a plain decode step
-    forced = AdaptiveSpeculation(K, 8, schedule="pause:0:100")
+    forced = AdaptiveSpeculation(K, 8, schedule="jump")
     step(forced, 0.0, ids, [0, 0], [0, 0], 2)
-    assert not forced.coast(0.01, list(ids), 2)  # a forced schedule plans every step
+    assert not forced.coast(0.01, list(ids), 2)  # a forced schedule plans every step outside its pauses
+
+
+def test_a_forced_pause_coasts_and_its_steps_count_in_the_schedule():
+    """The tests' forced pause takes the coasting path (the serving tests check the context
+    held there): its steps after the first coast, count as forced, and the schedule numbers
+    them, so it drafts again exactly where the pause ends."""
+    spec = AdaptiveSpeculation(K, 8, schedule="pause:1:4")
+    ids, plans, coasted = ["a", "b"], [], []
+    plan, _ = step(spec, 0.0, ids, [0, 0], [0, 0], 2)  # step 0: full blocks
+    plans.append(plan.q)
+    plan, _ = step(spec, 1.0, ids, [K, K], [1, 2], 2 + 2 * K)  # step 1 (verifies step 0's drafts): paused
+    plans.append(plan.q)
+    for i in (2, 3):
+        assert spec.coast(float(i), list(ids), 2)
+        spec.end_coast(float(i), i + 0.001)
+        coasted.append(i)
+    assert not spec.coast(4.0, list(ids), 2)  # step 4: the pause is over, the schedule plans
+    plan, _ = step(spec, 4.0, ids, [0, 0], [0, 0], 2)
+    plans.append(plan.q)
+    assert plans == [K, 0, K] and coasted == [2, 3]
+    s = spec.stats.snapshot()
+    assert s["steps"]["forced"] == 5 and s["steps"]["optimal"] == 0
+    assert s["query_hist"][0] == 3 and s["query_hist"][K] == 2
 
 
 def test_budgets_stop_at_what_a_request_can_still_use():
@@ -228,6 +251,43 @@ def test_a_coasting_run_is_folded_as_its_steps_ran():
     assert s["budget_hist"][0] == 2 + 5 * 2 + 3
     spec.fold_runs()  # a fold with nothing logged changes nothing
     assert spec.stats.snapshot() == s
+
+
+def test_continuing_a_run_the_quick_way_is_coast_and_end_coast():
+    """coasting_run / coast_on (the proposer's quick path for a step inside a coasting run)
+    leave every state coast() / end_coast() leave: two specs fed the same steps, one each
+    way, end with the same statistics, run log, samples and decisions (exploration on, so the
+    runs' draws matter), and coasting_run names the run's requests only where coast() would
+    continue it at once, changing nothing itself."""
+    quick, slow = _coasting_spec(), _coasting_spec()
+    ids, now, continued = ["a", "b"], 0.0, 0
+    for i in range(300):
+        now += 0.01
+        tokens = 5 if i % 97 == 50 else 2  # now and then a prompt chunk: the run ends
+        before = (quick._run_left, list(quick._run_log))
+        run = quick.coasting_run(tokens)
+        assert (quick._run_left, quick._run_log) == before
+        if run is not None:
+            assert run == ids and quick._run_left > 0
+            quick.coast_on(now, now + 0.002)
+            continued += 1
+        elif quick.coast(now, list(ids), tokens):
+            quick.end_coast(now, now + 0.002)
+        else:
+            step(quick, now, ids, [0, 0], [0, 0], tokens)
+        if slow.coast(now, list(ids), tokens):
+            slow.end_coast(now, now + 0.002)
+        else:
+            step(slow, now, ids, [0, 0], [0, 0], tokens)
+        assert (quick._run_left, quick._run_q, len(quick._run_log)) == (slow._run_left, slow._run_q, len(slow._run_log))
+    quick.fold_runs(), slow.fold_runs()
+    assert continued > 200
+    assert quick.stats.snapshot() == slow.stats.snapshot()
+    for mine, theirs in ((quick.controller.step_cost, slow.controller.step_cost),
+                         (quick.controller.draft_cost, slow.controller.draft_cost)):
+        assert mine.observations == theirs.observations
+        assert np.array_equal(mine.predict(2, [1.0, 2.0]), theirs.predict(2, [1.0, 2.0]))
+    assert quick.controller._decisions == slow.controller._decisions
 
 
 def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():

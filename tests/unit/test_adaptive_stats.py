@@ -30,10 +30,13 @@ def test_a_step_without_drafts_counts_as_record_step_counts_it():
     for requests in (1, 7, 64):
         fast.record_no_drafts(requests)
         full.record_step(0, requests, "optimal")
+    fast.record_no_drafts(4, "forced")  # a forced schedule's pause coasts too
+    full.record_step(0, 4, "forced")
     fast.record_step(3, np.array([1, 3]), "explore")
     full.record_step(3, np.array([1, 3]), "explore")
     assert fast.snapshot() == full.snapshot()
-    assert fast.snapshot()["budget_hist"][0] == 72 and fast.snapshot()["steps"]["optimal"] == 3
+    assert fast.snapshot()["budget_hist"][0] == 76 and fast.snapshot()["steps"]["optimal"] == 3
+    assert fast.snapshot()["steps"]["forced"] == 1
 
 
 def test_one_row_outcomes_count_as_the_batched_ones():

@@ -116,6 +116,36 @@ def test_the_queue_reuses_one_buffer():
         assert [t.data_ptr() for t in queue._buffers] == buffers and queue.capacity == 32
 
 
+def test_a_host_hold_of_a_decode_step_queues_what_hold_queues():
+    """hold_on_host (a coasting step's copies only: per-layer blocks, which may be padded past
+    the step's rows, and numpy views of positions and slots) leaves the queue exactly as hold()
+    does, and refuses, holding nothing, where hold() must decide: before any host buffers
+    exist, and when the rows would pass max_rows."""
+    import numpy as np
+
+    quick, full = DeferredContext(max_rows=12, prefault=True), DeferredContext(max_rows=12, prefault=True)
+    first = rows(3, 0, seed=1)
+    blocks = [first.features[:, :2], first.features[:, 2:]]
+    assert not quick.hold_on_host(blocks, first.positions.numpy(), first.slots.numpy(), 3, ["a", "b", "c"])
+    assert quick.rows == 0
+    assert quick.hold(first, ["a", "b", "c"]) and full.hold(first, ["a", "b", "c"])
+    for step in range(1, 4):
+        r = rows(3, 3 * step, seed=step + 1)
+        padded = torch.cat([r.features, torch.full((2, 6), 7.0)])  # the target ran 5 rows (GEMM grid)
+        position_buffer = np.concatenate([r.positions.numpy(), [-1, -1]])
+        slot_buffer = np.concatenate([r.slots.numpy(), [-1, -1]])
+        assert quick.hold_on_host([padded[:, :4], padded[:, 4:]], position_buffer, slot_buffer, 3, ["a", "b", "c"])
+        assert full.hold(r, ["a", "b", "c"])
+    assert quick.rows == full.rows == 12
+    extra = rows(1, 40, seed=9)
+    assert not quick.hold_on_host([extra.features], extra.positions.numpy(), extra.slots.numpy(), 1, ["a"])
+    assert quick.rows == 12 and quick._owners == full._owners
+    mine, theirs = quick.take(live={"a", "b"}), full.take(live={"a", "b"})
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
+    assert mine.slots.tolist() == [s for s in range(12) if s % 3 != 2]
+
+
 def test_a_prefaulted_queue_is_allocated_whole_at_its_first_hold():
     """On the host the queue's buffers are allocated at max_rows and touched (zeroed) by the
     first hold, so no later step grows them; a take of a full queue plus a step's own rows

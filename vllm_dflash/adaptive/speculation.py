@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
-from vllm_dflash.adaptive.controller import EXPLORE, OPTIMAL, PROBE, BudgetController, ForcedSchedule, Plan
+from vllm_dflash.adaptive.controller import (EXPLORE, FORCED, OPTIMAL, PROBE, BudgetController, ForcedSchedule,
+                                             Plan)
 from vllm_dflash.adaptive.few_requests import MAX_PAIRS, few_requests_choice
 from vllm_dflash.adaptive.realized import SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
@@ -39,6 +40,9 @@ LEARN_ROWS = 16
 # Steps of a run (coasting, or drafting on a cached plan) logged before they are folded in (at most:
 # a changed batch, a prompt chunk or a step that plans folds at once).
 RUN_STEPS = 16
+# The same for a coasting run: its steps teach the curves only the no-draft step's cost, and each run
+# costs a fold and a slower first step (~0.1 ms at 8 requests, float32, AVX-512 EPYC).
+COAST_RUN_STEPS = 64
 
 
 @dataclass
@@ -174,28 +178,41 @@ class AdaptiveSpeculation:
 
         Measured in the engine (float32, 32 requests), the same bookkeeping done step by
         step cost 0.1 ms a step, against 16 us in a loop: between target forwards the
-        step's Python runs cold. A run of `RUN_STEPS` steps is folded in one warm loop."""
+        step's Python runs cold. A run of `COAST_RUN_STEPS` steps is folded in one warm loop."""
         requests = len(req_ids)
         if self._run_left > 0:
-            if self._run_q == 0 and num_tokens == requests and req_ids == self._prev_req_list:
+            if self.coasting_run(num_tokens) == req_ids:
                 self._run_left -= 1
                 return True
             return False  # a drafting run, or a step that is not the run's: begin() continues or ends it
         self.fold_runs()
-        if (self.schedule is not None or self._handed is not None or self._prev_end is None
+        if (self._handed is not None or self._prev_end is None
                 or num_tokens != requests or req_ids != self._prev_req_list):
             return False
-        run, _ = self.controller.steady_run(req_ids, RUN_STEPS)
+        run, _ = (self.schedule or self.controller).steady_run(req_ids, COAST_RUN_STEPS)
         if run == 0:
             return False
         self._run_left, self._run_q = run - 1, 0
         return True
 
+    def coasting_run(self, num_tokens: int) -> list[str] | None:
+        """The requests of the open coasting run if a plain-decode step of theirs with
+        `num_tokens` scheduled tokens continues it (coast() would return True at once),
+        else None. Nothing changes: `coast_on` takes the step."""
+        if self._run_left > 0 and self._run_q == 0 and num_tokens == len(self._prev_req_list):
+            return self._prev_req_list
+        return None
+
+    def coast_on(self, start: float, now: float, not_drafting: float = 0.0) -> None:
+        """coast() and end_coast() at once, for a step `coasting_run` said continues the run."""
+        self._run_left -= 1
+        self.end_coast(start, now, not_drafting)
+
     def end_coast(self, start: float, now: float, not_drafting: float = 0.0) -> None:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
         bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
         requests = len(self._prev_req_list)
-        self.stats.record_no_drafts(requests)
+        self.stats.record_no_drafts(requests, OPTIMAL if self.schedule is None else FORCED)
         self._run_log.append([start, requests, 0, now, not_drafting, 0, 0.0])
 
     def fold_runs(self) -> None:
@@ -213,12 +230,13 @@ class AdaptiveSpeculation:
             log.pop()
         req_ids = self._prev_req_list
         requests, q, controller = len(req_ids), self._run_q, self.controller
+        forced = self.schedule is not None  # a forced plan has no forecast (end())
         for start, num_tokens, accepted, end, not_drafting, budget, expected in log:
             self._learn_and_sample(start, requests, num_tokens, steady=True, accepted=accepted, same_or_fewer=True)
-            self._close_cycle(start, end, not_drafting, requests, q, controller.forecast_parts(requests, q, budget),
-                              expected)
+            parts = (0.0, 0.0) if forced else controller.forecast_parts(requests, q, budget)
+            self._close_cycle(start, end, not_drafting, requests, q, parts, expected)
             controller.prior.forget(req_ids)  # step by step: learning inside the loop stamps rows with it
-        controller.coasted(len(log))
+        (self.schedule or controller).coasted(len(log))
         self.offsets.forget(req_ids)
 
     def _learn_and_sample(self, now: float, requests: int, num_tokens: int, steady: bool, accepted: int = 0,

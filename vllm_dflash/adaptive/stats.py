@@ -54,15 +54,15 @@ class AdaptiveStats:
         self._vec[:_HEADER] = (_MAGIC, _VERSION, k)
         layout = _layout(k)
         self._views = {name: self._vec[o:o + n] for name, (o, n) in layout.items()}
-        # Where a step that drafts nothing counts (`record_no_drafts`): optimal steps, q = 0, budget 0.
-        self._no_draft_cells = (layout["steps"][0] + REASONS.index("optimal"), layout["query_hist"][0],
-                                layout["budget_hist"][0])
+        # Where a step that drafts nothing counts (`record_no_drafts`): its reason's steps, q = 0, budget 0.
+        self._reason_cells = {reason: layout["steps"][0] + i for i, reason in enumerate(REASONS)}
+        self._no_draft_cells = (layout["query_hist"][0], layout["budget_hist"][0])
 
-    def record_no_drafts(self, requests: int) -> None:
-        """record_step(0, requests, "optimal") in three scalar updates: the commonest step where
+    def record_no_drafts(self, requests: int, reason: str = "optimal") -> None:
+        """record_step(0, requests, reason) in three scalar updates: the commonest step where
         speculation does not pay (a coasting step), which must cost what a plain step costs."""
-        vec, (steps, query, budget) = self._vec, self._no_draft_cells
-        vec[steps] += 1.0
+        vec, (query, budget) = self._vec, self._no_draft_cells
+        vec[self._reason_cells[reason]] += 1.0
         vec[query] += 1.0
         vec[budget] += requests
 

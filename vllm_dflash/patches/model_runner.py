@@ -96,13 +96,15 @@ ENTRIES: list[VllmInternal] = [
         "lists itself on a step without drafting, leaves the draft-probability state as vLLM's method does; "
         "the proposer reads the batch's request ids (input_batch) and, writing held-back context rows, which "
         "requests the runner still holds (requests: finished ones are popped at the start of a step), to drop "
-        "the rows of finished ones",
+        "the rows of finished ones; a step continuing a coasting run copies its context rows' positions from "
+        "the runner's position buffer (DFlashProposer._coast_on)",
         how="runner.drafter, runner.sampler, runner.rejection_sampler; runner.discard_request_mask.np[:num_reqs]; "
-        "set runner._draft_probs = runner._draft_prob_req_ids = None; runner.input_batch; req_id in runner.requests",
+        "set runner._draft_probs = runner._draft_prob_req_ids = None; runner.input_batch; req_id in runner.requests; "
+        "runner.positions (a numpy view kept while it is the same tensor) unless runner.uses_mrope",
         remove_when=UNTIL + "; discard_request_mask: when vLLM's draft sampler takes per-request generators; "
         "_draft_probs*: with the propose_draft_token_ids patch",
         names=("drafter", "sampler", "rejection_sampler", "discard_request_mask", "_draft_probs",
-               "_draft_prob_req_ids", "input_batch", "requests"),
+               "_draft_prob_req_ids", "input_batch", "requests", "positions", "uses_mrope"),
     ),
     VllmInternal(
         symbol=f"{RUNNER}.execute_model",
