@@ -69,11 +69,13 @@ OPTIMAL, WARMUP, EXPLORE, PROBE, FORCED = "optimal", "warmup", "explore", "probe
 CALM = "calm"  # a step a run's draw decided: no probe, no exploration (`run_cut_short`)
 # A longer query block whose plan value is this close to the best one's is preferred (`longest_near_best`).
 LONGER_BLOCK_TOLERANCE = 0.005
-# A plan without drafts that replanning keeps giving is redone after up to this many `refresh_steps`
-# (a drafting one after up to 4x). While nothing is drafted the curves learn only the no-draft step's
-# cost, and the checks that replan at once still run at every run of steps (`steady_run`: a moved
-# realised/forecast factor, a changed verdict of the measured arms, a drawn exploration); the
-# replans in between were ~0.45 ms each, ~30 us a step at 8 requests (float32, AVX-512 EPYC).
+# A plan without drafts that the measured arms decide (their verdict: not drafting is ahead beyond
+# the noise) is redone after up to this many `refresh_steps` while replanning keeps giving it (other
+# plans after up to 4x): the curves cannot change it, and the checks that replan at once still run
+# at every run of steps (`steady_run`: a moved realised/forecast factor, a changed verdict, a drawn
+# exploration). The replans in between were ~0.45 ms each, ~30 us a step at 8 requests (float32,
+# AVX-512 EPYC). Applied to every plan without drafts, one request whose plan was no draft kept it
+# for a whole request: static k = 15 at one request went from 1.02x to 0.89x (same machine).
 NO_DRAFT_REFRESH_FACTOR = 16
 
 
@@ -355,7 +357,8 @@ class BudgetController:
         """The batch size's plan (its cost curves and q), recomputed every
         `refresh_steps` decisions, or up to 4x that while replanning keeps giving the
         same q (costs and acceptance drift slowly; replanning every step would cost
-        more than it changes), 16x for a plan without drafts (`NO_DRAFT_REFRESH_FACTOR`),
+        more than it changes), 16x for a plan without drafts that the measured arms decide
+        (`NO_DRAFT_REFRESH_FACTOR`),
         and at once when a realised/forecast factor moves.
         The predicted seconds of drafting and of not drafting are scaled by how long
         cycles of each kind took against their forecast (`realized`)."""
@@ -391,10 +394,10 @@ class BudgetController:
             probe = (verdict == 0 and q > 0 and bool(verifies[best_draft])
                      and 0.0 < ratio < math.exp(self.probe_margin))
             # A plan that comes out the same again is trusted for twice as long (up to 4x
-            # `refresh_steps`, or NO_DRAFT_REFRESH_FACTOR x for no draft): in a steady regime
+            # `refresh_steps`, NO_DRAFT_REFRESH_FACTOR x for the arms' no draft): in a steady regime
             # replanning is most of what a step without drafting costs the controller.
             same = entry is not None and not moved and q == entry.q and req_ids == entry.req_ids
-            factor = NO_DRAFT_REFRESH_FACTOR if q == 0 else 4
+            factor = NO_DRAFT_REFRESH_FACTOR if q == 0 and verdict < 0 else 4
             interval = min(2 * entry.interval, factor * self.refresh_steps) if same else self.refresh_steps
             if q == 0 and self.prior.fading(req_ids):
                 # Not drafting because of requests' own last drafts: those rows fade into their kind's
