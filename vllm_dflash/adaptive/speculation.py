@@ -39,10 +39,11 @@ from vllm_dflash.adaptive.stats import AdaptiveStats
 LEARN_ROWS = 16
 # Steps of a run (coasting, or drafting on a cached plan) logged before they are folded in (at most:
 # a changed batch, a prompt chunk or a step that plans folds at once).
+# Coasting runs too. With 64 for coasting runs (fewer folds and slow first steps, ~0.1 ms each at 8
+# requests) the benches on c699692 / 6ec3171 had one request coast through whole code requests in some
+# rounds, and static k = 15 at one request went 1.02x -> 0.89x (float32, AVX-512 EPYC); the checks made
+# at a run's start came 4x less often there. Back at 16 until a bench says otherwise.
 RUN_STEPS = 16
-# The same for a coasting run: its steps teach the curves only the no-draft step's cost, and each run
-# costs a fold and a slower first step (~0.1 ms at 8 requests, float32, AVX-512 EPYC).
-COAST_RUN_STEPS = 64
 
 
 @dataclass
@@ -178,7 +179,7 @@ class AdaptiveSpeculation:
 
         Measured in the engine (float32, 32 requests), the same bookkeeping done step by
         step cost 0.1 ms a step, against 16 us in a loop: between target forwards the
-        step's Python runs cold. A run of `COAST_RUN_STEPS` steps is folded in one warm loop."""
+        step's Python runs cold. A run of `RUN_STEPS` steps is folded in one warm loop."""
         requests = len(req_ids)
         if self._run_left > 0:
             if self.coasting_run(num_tokens) == req_ids:
@@ -189,7 +190,7 @@ class AdaptiveSpeculation:
         if (self._handed is not None or self._prev_end is None
                 or num_tokens != requests or req_ids != self._prev_req_list):
             return False
-        run, _ = (self.schedule or self.controller).steady_run(req_ids, COAST_RUN_STEPS)
+        run, _ = (self.schedule or self.controller).steady_run(req_ids, RUN_STEPS)
         if run == 0:
             return False
         self._run_left, self._run_q = run - 1, 0
