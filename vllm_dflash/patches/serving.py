@@ -98,11 +98,13 @@ def _no_scheduler_update_for_steps_without_drafts() -> None:
     wrap_once(GPUModelRunner, "take_draft_token_ids", make)
 
 
-def _plain_inputs_for_steps_without_drafts() -> None:
+def _without_speculative_config_on_plain_steps(name: str) -> None:
+    """Wrap runner method `name` to run with runner.speculative_config None on a step that
+    schedules no drafts, when the drafter is ours with plain_steps_without_drafts."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def make(original):
-        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        def plain_when_nothing_is_verified(self, scheduler_output, *args, **kwargs):
             drafter = getattr(self, "drafter", None)
             if scheduler_output.scheduled_spec_decode_tokens or not getattr(drafter, "plain_steps_without_drafts",
                                                                             False):
@@ -113,29 +115,17 @@ def _plain_inputs_for_steps_without_drafts() -> None:
             finally:
                 self.speculative_config = speculative_config
 
-        return _prepare_inputs
+        return plain_when_nothing_is_verified
 
-    wrap_once(GPUModelRunner, "_prepare_inputs", make)
+    wrap_once(GPUModelRunner, name, make)
+
+
+def _plain_inputs_for_steps_without_drafts() -> None:
+    _without_speculative_config_on_plain_steps("_prepare_inputs")
 
 
 def _no_placeholder_clamp_for_steps_without_drafts() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    def make(original):
-        def _preprocess(self, scheduler_output, *args, **kwargs):
-            drafter = getattr(self, "drafter", None)
-            if scheduler_output.scheduled_spec_decode_tokens or not getattr(drafter, "plain_steps_without_drafts",
-                                                                            False):
-                return original(self, scheduler_output, *args, **kwargs)
-            speculative_config, self.speculative_config = self.speculative_config, None
-            try:
-                return original(self, scheduler_output, *args, **kwargs)
-            finally:
-                self.speculative_config = speculative_config
-
-        return _preprocess
-
-    wrap_once(GPUModelRunner, "_preprocess", make)
+    _without_speculative_config_on_plain_steps("_preprocess")
 
 
 def _pad_target_rows_to_the_gemm_grid() -> None:
