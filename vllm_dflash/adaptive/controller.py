@@ -358,8 +358,7 @@ class BudgetController:
         `refresh_steps` decisions, or up to 4x that while replanning keeps giving the
         same q (costs and acceptance drift slowly; replanning every step would cost
         more than it changes), 16x for a plan without drafts that the measured arms decide
-        (`NO_DRAFT_REFRESH_FACTOR`),
-        and at once when a realised/forecast factor moves.
+        (`NO_DRAFT_REFRESH_FACTOR`), and at once when a realised/forecast factor moves.
         The predicted seconds of drafting and of not drafting are scaled by how long
         cycles of each kind took against their forecast (`realized`)."""
         requests = len(req_ids)

@@ -38,11 +38,11 @@ from vllm_dflash.adaptive.stats import AdaptiveStats
 # request, learning every 4 steps cost ~0.1 ms a step (0.4 ms a call, float32, bundled pair).
 LEARN_ROWS = 16
 # Steps of a run (coasting, or drafting on a cached plan) logged before they are folded in (at most:
-# a changed batch, a prompt chunk or a step that plans folds at once).
-# Coasting runs too. With 64 for coasting runs (fewer folds and slow first steps, ~0.1 ms each at 8
-# requests) the benches on c699692 / 6ec3171 had one request coast through whole code requests in some
-# rounds, and static k = 15 at one request went 1.02x -> 0.89x (float32, AVX-512 EPYC); the checks made
-# at a run's start came 4x less often there. Back at 16 until a bench says otherwise.
+# a changed batch, a prompt chunk or a step that plans folds at once). With 64 for coasting runs (fewer
+# folds and slow first steps, ~0.1 ms each at 8 requests) the benches on c699692 / 6ec3171 had one
+# request coast through whole code requests in some rounds, and static k = 15 at one request went
+# 1.02x -> 0.89x (float32, AVX-512 EPYC); the checks made at a run's start came 4x less often there.
+# Back at 16 for both kinds until a bench says otherwise.
 RUN_STEPS = 16
 
 
