@@ -170,6 +170,25 @@ def test_a_requests_own_advantage_carries_past_its_last_block():
     assert np.all(np.diff(easy) <= 0)
 
 
+def test_a_faded_row_leaves_the_requests_shift_on_the_kinds_mean():
+    """A request's own row fades within a few steps; its logit shift stays. Long after its
+    last draft, an easier request (+1.5) is planned on the kind's mean conditional rates
+    moved by that shift (a rate r becomes 1 / (1 + (1 - r) / r * e^-1.5)), not on the
+    bare mean; without a shift it is the mean."""
+    k = 6
+    prior = SurvivalPrior(k)
+    kinds = np.array([GREEDY])
+    prior.record(["m", "p"], np.array([GREEDY, GREEDY]), np.cumprod(np.full((2, k), 0.5), axis=1))
+    for _ in range(40):  # far past fade_steps * log(1000)
+        prior.forget(["p"])
+    mean = prior.mean(GREEDY)
+    np.testing.assert_allclose(mean, 0.5 ** np.arange(1, k + 1))
+    easy = prior.rows(["p"], kinds, shifts=np.array([1.5]))[0]
+    np.testing.assert_allclose(easy, (1 / (1 + np.exp(-1.5))) ** np.arange(1, k + 1), rtol=1e-5)
+    np.testing.assert_allclose(prior.rows(["p"], kinds, shifts=np.array([0.0]))[0], mean, rtol=1e-5)
+    np.testing.assert_allclose(prior.rows(["p"], kinds)[0], mean)
+
+
 def test_request_offsets_follow_each_requests_own_acceptance():
     """The shared model says 0.6 everywhere; one request accepts 85% of the time, another
     30%. After 60 steps of 6 observed positions each, each request's shifted prediction

@@ -8,6 +8,7 @@ import pytest
 from vllm_dflash.adaptive.calibration import GREEDY
 from vllm_dflash.adaptive.controller import (
     EXPLORE,
+    LONGER_BLOCK_TOLERANCE,
     NO_DRAFT_REFRESH_FACTOR,
     OPTIMAL,
     WARMUP,
@@ -377,6 +378,8 @@ def test_a_longer_block_that_costs_the_same_is_planned():
     rising = controller(step, lambda r, t: 2e-4 * (1 + 0.05 * (t - 1)), max_explore_probability=0.0)
     give_history(rising, ["a"], prior)
     values = rising.plan_values(rising.prior.rows(["a"], np.full(1, GREEDY)), 1)[0]
-    assert rising.plan(["a"], np.full(1, GREEDY)).q == 1 + int(np.argmax(values[1:])) < K
-    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.996, 1.9])) == 2
-    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.98])) == 1
+    q = rising.plan(["a"], np.full(1, GREEDY)).q
+    assert q == 1 + BudgetController.longest_near_best(values[1:]) < K
+    assert values[q] >= values[1:].max() * (1 - LONGER_BLOCK_TOLERANCE) > values[q + 1]
+    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.975, 1.9])) == 2
+    assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.93])) == 1
