@@ -174,7 +174,7 @@ def test_a_faded_row_leaves_the_requests_shift_on_the_kinds_mean():
     """A request's own row fades within a few steps; its logit shift stays. Long after its
     last draft, an easier request (+1.5) is planned on the kind's mean conditional rates
     moved by that shift (a rate r becomes 1 / (1 + (1 - r) / r * e^-1.5)), not on the
-    bare mean; without a shift it is the mean."""
+    bare mean; without a shift, or with a negative one, it is the mean."""
     k = 6
     prior = SurvivalPrior(k)
     kinds = np.array([GREEDY])
@@ -187,6 +187,9 @@ def test_a_faded_row_leaves_the_requests_shift_on_the_kinds_mean():
     np.testing.assert_allclose(easy, (1 / (1 + np.exp(-1.5))) ** np.arange(1, k + 1), rtol=1e-5)
     np.testing.assert_allclose(prior.rows(["p"], kinds, shifts=np.array([0.0]))[0], mean, rtol=1e-5)
     np.testing.assert_allclose(prior.rows(["p"], kinds)[0], mean)
+    # A harder request (-1.5) is planned on the mean: planned below it, it might draft no more,
+    # and learn nothing that would lift it.
+    np.testing.assert_allclose(prior.rows(["p"], kinds, shifts=np.array([-1.5]))[0], mean)
 
 
 def test_request_offsets_follow_each_requests_own_acceptance():

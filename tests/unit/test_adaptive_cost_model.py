@@ -238,21 +238,3 @@ def test_samples_of_steps_without_drafts_give_exactly_what_a_refit_gives():
                 np.testing.assert_array_equal(cached.predict(r, tokens), refitted.predict(r, tokens))
     assert cached._fitted_rows  # the in-place path ran
 
-
-def test_a_size_measured_only_without_drafts_borrows_drafting_costs_from_its_neighbours():
-    """Two and eight requests measured both regimes; four requests only steps without drafts
-    (2 ms). A block at four requests is priced between its neighbours' blocks, not on the
-    line through its no-draft cost (t x 2 ms: 8 ms for t = 4, dearer than anything measured,
-    so nothing drafted there and nothing corrected it); its no-draft step stays its own."""
-    cost = StepCost(16, 16)
-    for _ in range(50):
-        for r, fixed, per_token in ((2, 1.5e-3, 0.1e-3), (8, 3.0e-3, 0.3e-3)):
-            cost.observe(r, 1.0, fixed)
-            for t in (2.0, 4.0, 8.0, 16.0):
-                cost.observe(r, t, fixed + 0.5e-3 + per_token * r * t)
-        cost.observe(4, 1.0, 2.0e-3)
-    pred = cost.predict(4, [1.0, 4.0])
-    two, eight = cost.predict(2, [4.0])[0], cost.predict(8, [4.0])[0]
-    assert pred[0] == pytest.approx(2.0e-3, rel=0.02)
-    assert two < pred[1] < eight and pred[1] < 4 * 2.0e-3
-    assert pred[1] == pytest.approx(two + (eight - two) * (4 - 2) / (8 - 2), rel=0.02)

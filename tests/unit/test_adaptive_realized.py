@@ -111,7 +111,7 @@ def test_a_plan_is_redone_as_soon_as_its_time_factor_moves():
 def test_speculation_reports_each_steady_cycle_against_its_forecast():
     """Cycle = the call's drafting + the next step outside drafting, against the curves'
     forecast for the q and budgets it ran."""
-    spec = AdaptiveSpeculation(K, 8, warmup_steps=0, knot_warmup_steps=0)
+    spec = AdaptiveSpeculation(K, 8, warmup_steps=0, knot_warmup_steps=0, measure_first_calls=True)
     c = spec.controller
     c.step_cost.observe(2, 1.0, 4e-3)
     c.draft_cost.observe(2, 1.0, 1e-3)
@@ -130,7 +130,7 @@ def test_speculation_reports_each_steady_cycle_against_its_forecast():
 
 def _drafting_speculation(**kwargs):
     """AdaptiveSpeculation over `_controller_drafting_at_8`, its first plan begun."""
-    spec = AdaptiveSpeculation(K, 64, seed=0, max_explore_probability=0.0, **kwargs)
+    spec = AdaptiveSpeculation(K, 64, seed=0, max_explore_probability=0.0, measure_first_calls=True, **kwargs)
     c, ids, kinds = _controller_drafting_at_8()
     spec.controller = c
     none = np.zeros(8, dtype=np.int64)
@@ -368,3 +368,33 @@ def test_a_degenerate_no_draft_value_plans_without_a_probe(no_draft_value, monke
     monkeypatch.setattr(c, "plan_values", degenerate)
     plan = c.plan(ids, kinds)
     assert plan.reason == OPTIMAL and not c._cache[8].probe
+
+
+def test_the_first_call_of_a_block_shape_is_no_sample():
+    """The first cycle at a (requests, q) shape pays one-off costs (the draft's kernels for a
+    new shape): it feeds neither D, nor the realised factors, nor the arms; the next cycle of
+    the same shape does."""
+    spec = AdaptiveSpeculation(K, 8, warmup_steps=0, knot_warmup_steps=0)
+    c = spec.controller
+    c.step_cost.observe(2, 1.0, 4e-3)
+    c.draft_cost.observe(2, 1.0, 1e-3)
+    key = c.realized.key(2)
+    drafts_seen = c.draft_cost.observations
+
+    def begin(t0: float) -> None:
+        plan = spec.begin(t0, ["a", "b"], np.array([0, 0]), np.array([0, 0]), 2, np.ones(2, bool), np.ones(2, bool))
+        assert plan.q == 0
+
+    def finish(t0: float) -> None:
+        spec.choose(t0 + 0.001, np.zeros((2, 0)), np.zeros((2, 0)))
+        spec.end(t0 + 0.020)  # 20 ms of drafting: a first call's cost
+
+    begin(0.0)
+    finish(0.0)
+    begin(0.030)  # closes the first cycle
+    assert c.draft_cost.observations == drafts_seen  # the first call: no D sample
+    assert c.realized.weight[key].tolist() == [0.0, 0.0] and c.arms.cycles(2, False) == 0.0
+    finish(0.030)
+    assert c.draft_cost.observations == drafts_seen + 1  # the second call of the shape is one
+    begin(0.060)
+    assert c.realized.weight[key].tolist() == [1.0, 0.0] and c.arms.cycles(2, False) == 1.0

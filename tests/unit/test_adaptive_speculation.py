@@ -49,7 +49,7 @@ def test_unknown_or_inconsistent_outcomes_are_ignored():
 
 
 def test_step_time_is_sampled_only_on_steady_decode_steps():
-    spec = AdaptiveSpeculation(K, 8, schedule="jump")
+    spec = AdaptiveSpeculation(K, 8, measure_first_calls=True, schedule="jump")
     step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 40)  # prefill: no previous call
     assert spec.controller.step_cost.observations == 0
     step(spec, 1.0, ["a", "b"], [0, 0], [0, 0], 2)  # steady decode
@@ -86,7 +86,7 @@ def test_held_back_context_writes_are_not_draft_time():
     """A drafting step that first writes context queued by steps without drafting
     pays for those steps: that share is left out of D(R, q + 1), and the step-time
     clock still starts where the call really ended."""
-    spec = AdaptiveSpeculation(K, 8, schedule="pause:100:101")  # full blocks
+    spec = AdaptiveSpeculation(K, 8, measure_first_calls=True, schedule="pause:100:101")  # full blocks
     plan = spec.begin(0.0, ["a"], np.array([0]), np.array([0]), 1, np.ones(1, bool), np.ones(1, bool))
     spec.choose(0.001, np.full((1, plan.q), 0.9), np.full((1, plan.q), 0.9))
     spec.end(0.010, not_drafting=0.006)
@@ -443,7 +443,7 @@ def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
     the first cycle of each kind after a switch holds the tail of the other kind's last
     step, so it reaches neither the arms, nor E(R, t), nor the realised/forecast ratios;
     the later cycles of the run do, and every step still gives its D(R, q + 1) sample."""
-    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0)
+    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0, measure_first_calls=True)
     c = spec.controller
     arms, steps, realized, drafts = [], [], [], []
     arms_observe, step_observe, realized_observe, draft_observe = (

@@ -320,8 +320,13 @@ class SurvivalPrior:
         made it a new row (41% of steps drafting where static k = 15 ran 2.2x no speculation;
         float32, AVX-512 EPYC)."""
         out = self.means()[np.asarray(kinds, dtype=np.int64)]
-        if shifts is not None and per_request and np.any(shifts):
-            out = self.shifted(out, np.asarray(shifts, dtype=np.float64))
+        if shifts is not None and per_request:
+            # Only a request that does better than its kind keeps its shift there: one that does
+            # worse may stop drafting on it, and a request that drafts nothing learns nothing, so
+            # it would never draft again; its faded prior is the kind's mean, as for a new one.
+            easier = np.maximum(np.asarray(shifts, dtype=np.float64), 0.0)
+            if easier.any():
+                out = self.shifted(out, easier)
         if per_request and self.last:
             # A row older than this weighs under 1e-3: it is left out (at 64 requests, extending
             # every live request's long-faded row was most of a replan, ~1 ms of 1.6).

@@ -24,8 +24,7 @@ extrapolates outside them pessimistically (longer blocks: the last slope, at
 least the line through the origin, t / t0 scaling, a cost that grows with the
 tokens computed; shorter blocks: the shortest measured block's cost, flat, as
 a cost that grows with t is bounded by it), and interpolates linearly in R between the nearest rows that hold
-data (below the smallest: that row; above the largest: scaled by R; for t >= 2
-only rows that measured t >= 2, a size seen only without drafts borrows those). t = 1
+data (below the smallest: that row; above the largest: scaled by R). t = 1
 at a size that never measured it comes from the sizes that did: interpolated,
 or, beyond them, their ratio to the two-token step applied to this size's own.
 Nothing is predicted before the first observation (`ready`).
@@ -256,13 +255,7 @@ class StepCost:
         t = np.maximum(np.asarray(tokens_per_request, dtype=np.float64), 1.0)
         rows = [r for r in range(len(self.r_knots)) if self._row(r) is not None]
         x = float(max(requests, 1))
-        # Drafting's costs (t >= 2) come from the sizes that measured them. A size seen only
-        # without drafts has no curve of its own there, only the line through its no-draft cost
-        # (t x that), which priced a 4-token block at 4 plain steps: nothing drafted there, so
-        # nothing ever corrected it (4 requests in a bench that met them only while not drafting:
-        # 0.96-1.00x of no speculation where static k = 3 ran at 1.17x; float32, AVX-512 EPYC).
-        drafted = [r for r in rows if (self.weight[r, 1:] >= self.min_weight).any()] or rows
-        out = self._across_rows(drafted, x, lambda r: self._curve_at(r, t))
+        out = self._across_rows(rows, x, lambda r: self._curve_at(r, t))
         # t = 1 (no drafts) borrows from the batch sizes where t = 1 itself was
         # measured: a row that only saw drafting steps would otherwise put it on
         # the drafting regime's line through the origin (for drafting: half a
@@ -281,12 +274,7 @@ class StepCost:
                 ratio = self._across_rows(
                     both, x, lambda r: np.array([min(self.mean[r, 0] / self._curve_at(r, two)[0], 1.0)]),
                     scale=False)[0]
-                first = min(first, ratio * self._across_rows(drafted, x, lambda r: self._curve_at(r, two))[0])
-            out = np.where(at_first, np.minimum(first, out.max()), out)
-        elif first_rows and at_first.any() and len(drafted) < len(rows):
-            # Every size measured t = 1, some only that: this size's no-draft cost is its own (or
-            # its neighbours', between sizes), not the drafting sizes' curves at t = 1.
-            first = self._across_rows(first_rows, x, lambda r: np.array([self.mean[r, 0]]))[0]
+                first = min(first, ratio * self._across_rows(rows, x, lambda r: self._curve_at(r, two))[0])
             out = np.where(at_first, np.minimum(first, out.max()), out)
         return out
 
