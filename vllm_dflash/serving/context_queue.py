@@ -186,11 +186,7 @@ class DeferredContext:
         host = self._host_index
         if host is None or end > self.max_rows or end > host[0].shape[0]:
             return False
-        rows = self._buffers.features[start:end]
-        if features[0].shape[0] == n:
-            torch.cat(features, dim=1, out=rows)
-        else:
-            torch.cat([h[:n] for h in features], dim=1, out=rows)
+        self._put_rows(start, end, features if features[0].shape[0] == n else [h[:n] for h in features])
         host[0][start:end] = positions[:n]
         host[1][start:end] = slots[:n]
         self._owners.append((n, owners))
@@ -291,10 +287,7 @@ class DeferredContext:
         width = sum(block.shape[1] for block in blocks)
         if width != features.shape[1]:
             raise ValueError(f"DeferredContext: {width} feature columns held, the queue's rows have {features.shape[1]}")
-        if len(blocks) == 1:
-            features[start:start + n].copy_(blocks[0])
-        else:  # one op into the rows (whole rows of the buffer: contiguous), not one strided copy per block
-            torch.cat(blocks, dim=1, out=features[start:start + n])
+        self._put_rows(start, start + n, blocks)
         host = self._host_index
         if host is not None and positions.device.type == "cpu" and slots.device.type == "cpu":
             host[0][start:start + n] = positions.numpy()
@@ -303,6 +296,15 @@ class DeferredContext:
             self._buffers.positions[start:start + n].copy_(positions)
             self._buffers.slots[start:start + n].copy_(slots)
         self._rows = start + n
+
+    def _put_rows(self, start: int, end: int, blocks: Sequence[torch.Tensor]) -> None:
+        """The per-layer feature `blocks` side by side into queue rows start..end: one op into
+        whole (contiguous) rows, not one strided copy per block."""
+        rows = self._buffers.features[start:end]
+        if len(blocks) == 1:
+            rows.copy_(blocks[0])
+        else:
+            torch.cat(blocks, dim=1, out=rows)
 
     def _reserve(self, needed: int, blocks: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Buffers for `needed` rows, the rows held so far kept (capacity doubles: few allocations)."""

@@ -443,14 +443,11 @@ class DFlashProposer(DrafterBase):
         rows = ContextRows(features, runner._get_positions(num_tokens),
                            slots if slots.shape[0] == num_tokens else slots[:num_tokens])
         self._write_context(rows, hold=True, owners=self._row_owners(req_ids, num_tokens, common_attn_metadata))
+        if coasting:
+            return self._settle_without_drafts(t0, batch_size, self.adaptive.end_coast)
         self.last_draft_probs = None
         self.last_draft_block = self._no_draft_block(batch_size)
-        if coasting:
-            self.adaptive.end_coast(t0, time.perf_counter(), not_drafting=self._not_drafting_seconds)
-            self._not_drafting_seconds = 0.0
-            drafts = [[] for _ in range(batch_size)]
-        else:
-            drafts = self._finish_adaptive(self.last_draft_block, None)
+        drafts = self._finish_adaptive(self.last_draft_block, None)
         self.handed_no_drafts = drafts  # every list empty: the scheduler has nothing to take
         return drafts
 
@@ -469,12 +466,18 @@ class DFlashProposer(DrafterBase):
         if index is None or not self.deferred_context.hold_on_host(aux_hidden_states, *index, num_tokens, req_ids):
             return None
         self._prompt_rows = 0
+        return self._settle_without_drafts(t0, num_tokens, self.adaptive.coast_on)
+
+    def _settle_without_drafts(self, t0: float, batch_size: int, close) -> list[list[int]]:
+        """The end of a coasting step, its context held: no draft block, the step closed in
+        adaptive speculation (`close`: coast_on or end_coast, from t0 to now, less the
+        seconds spent on context held back earlier), and empty draft lists handed out."""
         self.last_draft_probs = None
-        self.last_draft_block = self._no_draft_block(num_tokens)
-        self.adaptive.coast_on(t0, time.perf_counter(), not_drafting=self._not_drafting_seconds)
+        self.last_draft_block = self._no_draft_block(batch_size)
+        close(t0, time.perf_counter(), not_drafting=self._not_drafting_seconds)
         self._not_drafting_seconds = 0.0
-        drafts = [[] for _ in range(num_tokens)]
-        self.handed_no_drafts = drafts
+        drafts = [[] for _ in range(batch_size)]
+        self.handed_no_drafts = drafts  # every list empty: the scheduler has nothing to take
         return drafts
 
     def _host_step_index(self, runner, cad: CommonAttentionMetadata,
