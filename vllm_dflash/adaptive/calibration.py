@@ -40,6 +40,12 @@ GREEDY, SAMPLED = 0, 1
 KIND_NAMES = ("greedy", "sampled")
 
 
+def logit_shifted(p: np.ndarray, shift) -> np.ndarray:
+    """Probabilities `p` moved by `shift` on the logit scale (kept 1e-6 off 0 and 1 first)."""
+    q = np.minimum(np.maximum(p, 1e-6), 1 - 1e-6)
+    return 1.0 / (1.0 + (1.0 - q) / q * np.exp(-shift))
+
+
 
 class AcceptanceModel:
     """Conditional acceptance per (kind, confidence bin, position); see module docstring.
@@ -175,8 +181,7 @@ class RequestOffsets:
         delta = self.shifts(req_ids)
         if not delta.any():
             return p
-        q = np.minimum(np.maximum(p, 1e-6), 1 - 1e-6)
-        return 1.0 / (1.0 + (1.0 - q) / q * np.exp(-delta[:, None]))
+        return logit_shifted(p, delta[:, None])
 
     def update(self, req_ids: list[str], p: np.ndarray, observed: np.ndarray, accepted: np.ndarray) -> None:
         """p [N, w] the shared model's predictions for the requests' verified drafts;
@@ -255,8 +260,7 @@ class SurvivalPrior:
         before, after = means[:, width - 1 : -1], means[:, width:]
         rate = np.divide(after, before, out=np.zeros_like(after), where=before > 0)
         if shift:
-            r = np.minimum(np.maximum(rate, 1e-6), 1 - 1e-6)
-            rate = 1.0 / (1.0 + (1.0 - r) / r * np.exp(-shift))
+            rate = logit_shifted(rate, shift)
         tail = survival[:, -1:] * np.cumprod(np.minimum(rate, 1.0), axis=1)
         return np.concatenate([survival, tail], axis=1)
 
@@ -265,9 +269,7 @@ class SurvivalPrior:
         """Survival rows [R, k] with each row's conditional rates moved by its logit shift [R]."""
         before = np.concatenate([np.ones((survival.shape[0], 1)), survival[:, :-1]], axis=1)
         rate = np.divide(survival, before, out=np.zeros_like(survival), where=before > 0)
-        rate = np.minimum(np.maximum(rate, 1e-6), 1 - 1e-6)
-        moved = 1.0 / (1.0 + (1.0 - rate) / rate * np.exp(-shifts)[:, None])
-        return np.cumprod(moved, axis=1)
+        return np.cumprod(logit_shifted(rate, shifts[:, None]), axis=1)
 
     def forget(self, live_req_ids, steps: int = 1) -> None:
         """End of a step (`steps` steps): drop the rows of requests no longer running."""
