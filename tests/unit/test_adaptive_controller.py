@@ -383,3 +383,48 @@ def test_a_longer_block_that_costs_the_same_is_planned():
     assert values[q] >= values[1:].max() * (1 - LONGER_BLOCK_TOLERANCE) > values[q + 1]
     assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.975, 1.9])) == 2
     assert BudgetController.longest_near_best(np.array([1.0, 2.0, 1.93])) == 1
+
+
+def test_a_plan_at_one_request_is_valued_over_its_kinds_recent_drafts():
+    """A few confident drafts among many doubtful ones (6 rows surviving at 0.97 a position,
+    26 at 0.5), a verified position costing a tenth of a step and a longer block a tenth of a
+    one-position block more per position. On the mean row, deep positions look poor and the
+    plan cuts the block at 9; valued row by row (each verifying as its own budget would), the
+    confident drafts pay for the full block, and the plan drafts k. The sampled value of each
+    q is the total tokens over the total seconds of the rows at their best budgets."""
+    step = lambda r, t: 1e-3 * (1 + 0.1 * (t - 1))  # noqa: E731
+    draft = lambda r, t: 2e-4 * (1 + 0.1 * (t - 1)) if t > 1 else 2e-5  # noqa: E731
+    pos = np.arange(1, K + 1)
+    rows = np.concatenate([np.tile(0.97 ** pos, (6, 1)), np.tile(0.5 ** pos, (26, 1))])
+    c = controller(step, draft, max_explore_probability=0.0)
+    c.prior.record([f"r{i}" for i in range(len(rows))], np.full(len(rows), GREEDY), rows)
+    assert np.allclose(c.prior.recent(GREEDY), rows)
+    assert c.plan(["new"], np.full(1, GREEDY)).q == K
+    mean_values = c.plan_values(rows.mean(axis=0)[None], 1)[0]
+    assert 1 + BudgetController.longest_near_best(mean_values[1:]) < K
+    steps = c.step_cost.predict(1, 1.0 + np.arange(K + 1))
+    drafts = c.draft_cost.predict(1, 1.0 + np.arange(K + 1))
+    values, seconds, _, verifies = c.plan_values_sampled(rows, steps, drafts)
+    gains = np.concatenate([[0.0], np.cumsum(rows[0])]), np.concatenate([[0.0], np.cumsum(rows[-1])])
+    for q in (0, 5, K):
+        tokens = time = 0.0
+        for row_gains, count in zip(gains, (6, 26)):
+            b = int(np.argmax([(1 + row_gains[b]) / (steps[b] + drafts[q]) for b in range(q + 1)]))
+            tokens, time = tokens + count * (1 + row_gains[b]), time + count * (steps[b] + drafts[q])
+        assert values[q] == pytest.approx(tokens / time, rel=1e-12)
+        assert seconds[q] == pytest.approx(time / len(rows), rel=1e-12)
+    assert not verifies[0] and verifies[K]
+
+
+def test_the_recent_rows_are_the_last_ones_of_each_kind_extended_to_k():
+    from vllm_dflash.adaptive.calibration import SAMPLED, SurvivalPrior
+
+    prior = SurvivalPrior(4, recent_rows=3)
+    prior.record(["a", "b"], np.array([GREEDY, SAMPLED]), np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.25, 0.1, 0.05]]))
+    prior.record(["c", "d", "e"], np.full(3, GREEDY), np.array([[0.8, 0.6], [0.7, 0.5], [0.6, 0.4]]))
+    recent = prior.recent(GREEDY)
+    assert recent.shape == (3, 4)  # the ring holds the last three greedy rows, in ring order
+    assert sorted(recent[:, 0].tolist()) == [0.6, 0.7, 0.8] and 0.9 not in recent[:, 0]
+    assert np.all(np.diff(recent, axis=1) <= 0) and np.all(recent[:, 2:] > 0)  # continued past position 2
+    assert np.allclose(prior.recent(SAMPLED), [[0.5, 0.25, 0.1, 0.05]])
+    assert prior.recent(GREEDY).base is not prior._recent  # a copy: the caller may change it

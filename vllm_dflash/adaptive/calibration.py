@@ -215,12 +215,16 @@ class SurvivalPrior:
     its row looked poor must not stay stuck on that row.
     """
 
-    def __init__(self, num_positions: int, memory: float = 2000.0, fade_steps: float = 4.0):
+    def __init__(self, num_positions: int, memory: float = 2000.0, fade_steps: float = 4.0,
+                 recent_rows: int = 64):
         self.num_positions = num_positions
         self.memory = float(memory)
         self.fade_steps = float(fade_steps)
         self.sum = np.zeros((len(KIND_NAMES), num_positions))
         self.weight = np.zeros((len(KIND_NAMES), num_positions))
+        # The last `recent_rows` drafted rows of each kind, extended to k (`recent`): a ring per kind.
+        self._recent = np.zeros((len(KIND_NAMES), recent_rows, num_positions))
+        self._recent_count = [0] * len(KIND_NAMES)
         self.last: dict[str, tuple[np.ndarray, int, int]] = {}  # request id -> (survival [q], step drafted, kind)
         self.step = 0  # counts forget() calls: one per engine step
         self._means: np.ndarray | None = None
@@ -244,8 +248,25 @@ class SurvivalPrior:
                 self.sum[kind, :width] += survival[sel].sum(axis=0)
                 self.weight[kind, :width] += sel.sum()
         self._means = None
+        self._keep_recent(survival, kinds)
         for i, req_id in enumerate(req_ids):  # extended to k only when read (rows())
             self.last[req_id] = (survival[i], self.step, int(kinds[i]))
+
+    def _keep_recent(self, survival: np.ndarray, kinds: np.ndarray) -> None:
+        """This batch's rows [R, q] (of `kinds` [R]) into each kind's ring of recent rows."""
+        ring = self._recent.shape[1]
+        rows = self._extend(survival, kinds)
+        for kind in np.unique(kinds).tolist():
+            mine = rows[kinds == kind][-ring:]
+            slots = (self._recent_count[kind] + np.arange(mine.shape[0])) % ring
+            self._recent[kind, slots] = mine
+            self._recent_count[kind] += mine.shape[0]
+
+    def recent(self, kind: int) -> np.ndarray:
+        """[n, k] the last n (at most `recent_rows`) drafted rows of a kind, each extended to k
+        with the kind's mean conditional rates: what the next draft may look like, as a
+        sample. (Each row already holds its request's shift.)"""
+        return self._recent[kind, : min(self._recent_count[kind], self._recent.shape[1])].copy()
 
     def _extend(self, survival: np.ndarray, kinds: np.ndarray, shift: float = 0.0) -> np.ndarray:
         """[R, q] -> [R, k]: positions past q follow the kind's mean conditional rates,
