@@ -31,7 +31,7 @@ from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, Su
 from vllm_dflash.adaptive.controller import (EXPLORE, FORCED, OPTIMAL, PROBE, BudgetController, ForcedSchedule,
                                              Plan)
 from vllm_dflash.adaptive.few_requests import MAX_PAIRS, few_requests_choice
-from vllm_dflash.adaptive.realized import SpeedIndex
+from vllm_dflash.adaptive.realized import NEW_TEXT_KEEP, SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
 # Learning waits for LEARN_ROWS queued rows, drafts and outcomes (or 4 x learn_every steps): at one
@@ -165,6 +165,9 @@ class AdaptiveSpeculation:
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = same_or_fewer and plain_decode
         fresh = not same_or_fewer and self._prev_req_ids.isdisjoint(req_ids)
+        if fresh and self._prev_req_ids:  # new text: the arms and yields measured other requests (`ArmRates`)
+            self.controller.arms.discount(requests, NEW_TEXT_KEEP)
+            self.controller.realized.discount_yields(requests, NEW_TEXT_KEEP)
         self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer, fresh)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
