@@ -418,3 +418,39 @@ def test_the_first_call_of_a_block_shape_is_no_sample():
     assert c.draft_cost.observations == drafts_seen + 1  # the second call of the shape is one
     begin(0.060)
     assert c.realized.weight[key].tolist() == [1.0, 0.0] and c.arms.cycles(2, False) == 1.0
+
+
+def test_new_text_discounts_the_arms_and_the_yield_but_not_the_time():
+    """The arms said drafting loses (-1) and drafting cycles yielded half the tokens expected
+    (factor 2, on time) for one batch of requests. A step whose requests are all new (new
+    text) keeps NEW_TEXT_KEEP of that evidence: the verdict is open again (0) and the yield
+    factor waits for cycles of the new requests, while the time ratios (the machine's) stay.
+    A step that keeps one of the old requests discounts nothing."""
+    from vllm_dflash.adaptive.realized import NEW_TEXT_KEEP
+
+    def measured(spec):
+        c = spec.controller
+        for i in range(40):
+            c.arms.observe(1, i % 2 == 0, 0.01, 4.0 if i % 2 == 0 else 8.0)  # drafting: half the rate
+            c.realized.observe(1, True, forecast=0.01, seconds=0.012, expected_tokens=4.0, tokens=2.0)
+        assert c.verdict(1) == -1 and c.time_factors(1)[1] == pytest.approx(2.4)
+
+    def step(spec, now, ids):
+        none = np.zeros(len(ids), dtype=np.int64)
+        spec.begin(now, ids, none, none, 40, np.ones(len(ids), bool), np.ones(len(ids), bool))
+        spec.choose(now + 1e-4, np.zeros((len(ids), 0)), np.zeros((len(ids), 0)))
+        spec.end(now + 2e-4)
+
+    spec = AdaptiveSpeculation(K, 8, seed=0)
+    step(spec, 0.0, ["a"])
+    measured(spec)
+    step(spec, 1.0, ["a", "b"])  # a stays: the same text in part, nothing discounted
+    assert spec.controller.verdict(1) == -1
+    step(spec, 2.0, ["b"])
+    measured(spec)
+    c = spec.controller
+    before = c.realized.yields[c.realized.key(1), 1]
+    step(spec, 3.0, ["c"])  # only new requests: new text
+    assert c.verdict(1) == 0 and c.arms.cycles(1, True) < c.arms.min_cycles
+    assert c.time_factors(1)[1] == pytest.approx(1.2)  # the time ratio stays, the yield waits
+    assert c.realized.yields[c.realized.key(1), 1] == pytest.approx(NEW_TEXT_KEEP * before, rel=0.05)

@@ -155,10 +155,11 @@ class SpeedIndex:
         self.factor = math.exp(self.log_sum / self.weight) if self.weight > 0 else 1.0
 
 
-# The share of the arms' evidence at a batch size kept when a step's requests are all new (none was in
-# the step before): below `min_cycles` for any memory up to min_cycles / NEW_TEXT_KEEP cycles, so the
-# verdict waits for cycles of the new requests (`AdaptiveSpeculation.begin`).
-NEW_TEXT_KEEP = 0.15
+# The share of the arms' and the yield factor's evidence at a batch size kept when a step's requests are
+# all new (none was in the step before; `AdaptiveSpeculation.begin`). Evidence saturates at `memory`
+# cycles (32 by default), so this leaves both below their `min_cycles` (6 and 4): the verdict and the
+# yield factor wait for cycles of the new requests.
+NEW_TEXT_KEEP = 0.1
 
 
 class ArmRates:
