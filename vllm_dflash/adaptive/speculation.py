@@ -165,10 +165,10 @@ class AdaptiveSpeculation:
         same_or_fewer = req_ids == self._prev_req_list or self._prev_req_ids.issuperset(req_ids)
         steady = same_or_fewer and plain_decode
         fresh = not same_or_fewer and self._prev_req_ids.isdisjoint(req_ids)
+        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer, fresh)
         if fresh and self._prev_req_ids:  # new text: the arms and yields measured other requests (`ArmRates`)
             self.controller.arms.discount(requests, NEW_TEXT_KEEP)
             self.controller.realized.discount_yields(requests, NEW_TEXT_KEEP)
-        self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer, fresh)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
