@@ -46,7 +46,6 @@ def logit_shifted(p: np.ndarray, shift) -> np.ndarray:
     return 1.0 / (1.0 + (1.0 - q) / q * np.exp(-shift))
 
 
-
 class AcceptanceModel:
     """Conditional acceptance per (kind, confidence bin, position); see module docstring.
 

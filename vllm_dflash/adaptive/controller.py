@@ -542,7 +542,7 @@ class BudgetController:
         seconds = step[None, None, : k + 1] + draft[:, None, None]
         value = np.where(budget[None, None, :] <= budget[:, None, None], tokens[None, :, :] / seconds, -np.inf)
         best = np.argmax(value, axis=2)  # [q, n]
-        got = np.take_along_axis(np.broadcast_to(tokens, (k + 1, *tokens.shape)), best[:, :, None], axis=2)[:, :, 0]
+        got = tokens[np.arange(rows.shape[0])[None, :], best]  # [q, n]: each row's tokens at its best budget
         took = step[best] + draft[:, None]
         values = got.sum(axis=1) / took.sum(axis=1)
         return values, took.mean(axis=1), float(step[k] + draft[k]), (best > 0).any(axis=1)
