@@ -90,21 +90,39 @@ def test_never_zero_and_pessimistic_beyond_the_measured_range():
     assert cost.predict(64, [2.0])[0] > pred[1]  # a batch never measured borrows and scales by R
 
 
-def test_shorter_blocks_than_measured_cost_the_shortest_measured_one():
+def test_shorter_blocks_than_measured_lie_on_the_line_from_no_draft_until_measured():
     """Warm-up at a large batch measured no draft (16 ms) and full blocks (t = 16: 100 ms)
-    only. A one-token block is then priced at the full block's 100 ms (an upper bound: the
-    cost does not fall below what is fixed per block), not at 100 * 2 / 16 = 12.5 ms, which
-    made drafting look cheaper than not drafting; once measured, its own cost counts."""
+    only. Shorter blocks lie on the straight line between the two: a one-token block at
+    16 + 84 / 15 = 21.6 ms, above not drafting (a line through the origin, 100 * 2 / 16 =
+    12.5 ms, made drafting look cheaper than not drafting), and below the full block's
+    100 ms (priced like the full block, a short block never looked worth trying, so it was
+    never measured); once measured, its own cost counts."""
     cost = StepCost(16, 64)
     for _ in range(10):
         cost.observe(64, 1.0, 0.016)
         cost.observe(64, 16.0, 0.100)
     pred = cost.predict(64, [1.0, 2.0, 8.0, 16.0])
     assert pred[0] == pytest.approx(0.016)
-    assert pred[1] == pytest.approx(0.100) and pred[2] == pytest.approx(0.100) and pred[3] == pytest.approx(0.100)
+    assert pred[1] == pytest.approx(0.016 + 0.084 / 15) and pred[2] == pytest.approx(0.016 + 0.084 * 7 / 15)
+    assert pred[3] == pytest.approx(0.100)
     for _ in range(10):
         cost.observe(64, 2.0, 0.060)
-    assert cost.predict(64, [2.0])[0] == pytest.approx(0.060, rel=0.05)
+    pred = cost.predict(64, [2.0, 9.0])
+    assert pred[0] == pytest.approx(0.060, rel=0.05)
+    assert pred[1] == pytest.approx(0.080, rel=0.05)  # between the measured blocks: their line
+
+
+def test_shorter_blocks_without_a_measured_no_draft_step_cost_the_shortest_measured_one():
+    """Without t = 1 at that size there is no line to draw: the shortest measured block's
+    cost, an upper bound (the cost does not fall below what is fixed per block)."""
+    cost = StepCost(16, 64)
+    for _ in range(10):
+        cost.observe(64, 16.0, 0.100)
+    pred = cost.predict(64, [2.0, 8.0, 16.0])
+    assert pred == pytest.approx([0.100, 0.100, 0.100])
+    for _ in range(10):  # t = 1 measured: the line appears (the cached row is refitted, not patched)
+        cost.observe(64, 1.0, 0.016)
+    assert cost.predict(64, [2.0])[0] == pytest.approx(0.016 + 0.084 / 15)
 
 
 def test_outliers_are_clipped():
@@ -237,4 +255,28 @@ def test_samples_of_steps_without_drafts_give_exactly_what_a_refit_gives():
             for r in (1, 3, 4, 9, 16):
                 np.testing.assert_array_equal(cached.predict(r, tokens), refitted.predict(r, tokens))
     assert cached._fitted_rows  # the in-place path ran
+
+
+def test_rows_with_unmeasured_short_blocks_keep_their_line_exact_under_samples_without_drafts():
+    """The line from t = 1 (`_line_short_blocks`) follows every sample of a step without
+    drafts in place, as a refit from scratch would draw it, through rows that gain t = 1
+    before or after their first long block and rows that later measure a short one."""
+    rng = np.random.default_rng(5)
+    cached, refitted = StepCost(16, 16), StepCost(16, 16)
+    tokens = 1.0 + np.arange(16) / 2
+    lined_steps = 0
+    for i in range(500):
+        requests = int(rng.choice([2, 4, 8, 16]))
+        u = rng.random()
+        t = 1.0 if u < 0.85 else (16.0 if u < 0.95 or i < 300 else float(rng.choice([2.0, 5.0])))
+        seconds = 1e-3 * requests ** 0.5 * (1.0 + 0.3 * (t - 1.0)) * rng.lognormal(0.0, 0.2)
+        for cost in (cached, refitted):
+            cost.observe(requests, t, seconds)
+        refitted.fold_queued()
+        refitted._rows.clear()
+        if cached.ready and i % 5 == 0:
+            for r in (2, 4, 6, 16):
+                np.testing.assert_array_equal(cached.predict(r, tokens), refitted.predict(r, tokens))
+            lined_steps += bool(cached._lined)
+    assert lined_steps > 20  # rows were lined through many checks, and stayed exact in place
 
