@@ -125,29 +125,6 @@ def test_shorter_blocks_without_a_measured_no_draft_step_cost_the_shortest_measu
     assert cost.predict(64, [2.0])[0] == pytest.approx(0.016 + 0.084 / 15)
 
 
-def test_a_size_that_measured_only_steps_without_drafts_takes_its_drafting_part_from_a_smaller_size():
-    """4 requests measured only steps without drafts (2.5 ms); 2 requests measured both (2 ms
-    without drafts, 3 + 0.1 (t - 2) ms drafting). At 4 requests drafting costs 2.5 ms plus 2
-    requests' drafting increment scaled by 4 / 2 (an upper bound for a cost that grows less
-    than in proportion to the batch), not 2.5 t (which priced t = 2 at twice a plain step and
-    kept a size that began without drafting from ever drafting); with no size measured in both
-    regimes, 2.5 t; once 4 requests measure drafting, their own."""
-    cost = StepCost(16, 8)
-    for _ in range(10):
-        cost.observe(4, 1.0, 0.0025)
-    assert cost.predict(4, [1.0, 2.0, 4.0]) == pytest.approx([0.0025, 0.005, 0.010])
-    for _ in range(10):
-        cost.observe(2, 1.0, 0.002)
-        for t in range(2, 17):
-            cost.observe(2, float(t), 0.003 + 0.0001 * (t - 2))
-    two = cost.predict(2, [1.0, 2.0, 9.0])
-    assert two == pytest.approx([0.002, 0.003, 0.0037], rel=1e-6)
-    assert cost.predict(4, [1.0, 2.0, 9.0]) == pytest.approx([0.0025, 0.0025 + 2 * 0.001, 0.0025 + 2 * 0.0017], rel=1e-6)
-    for _ in range(10):
-        cost.observe(4, 2.0, 0.004)
-    assert cost.predict(4, [2.0])[0] == pytest.approx(0.004, rel=1e-6)
-
-
 def test_outliers_are_clipped():
     cost = StepCost(4, 4)
     for _ in range(20):

@@ -28,9 +28,6 @@ unknown, that block's cost, flat), and interpolates linearly in R between the ne
 data (below the smallest: that row; above the largest: scaled by R). t = 1
 at a size that never measured it comes from the sizes that did: interpolated,
 or, beyond them, their ratio to the two-token step applied to this size's own.
-A size that measured only t = 1 takes the drafting part (t >= 2) of the nearest smaller size
-that measured both (else the nearest larger): its increment over its own t = 1, scaled by the
-ratio of batch sizes, added to this size's t = 1.
 Nothing is predicted before the first observation (`ready`).
 """
 
@@ -243,38 +240,9 @@ class StepCost:
                 curve[0] = min(self.mean[r, 0], curve[1])  # non-decreasing across the jump
             self._fitted_rows.add(r)
         elif known[0]:
-            # Not cached: it follows the other sizes' rows (and the first of them to measure drafting)
-            curve = self._drafting_from_other_sizes(r)
-            return self.mean[r, 0] * self.t_knots if curve is None else curve  # pessimistic: nothing measured
+            curve = self.mean[r, 0] * self.t_knots  # pessimistic until a longer block is measured
         self._rows[r] = curve
         return curve
-
-    def _drafting_from_other_sizes(self, r: int) -> np.ndarray | None:
-        """Row r measured only steps without drafts: its drafting part is the increment over
-        t = 1 of the nearest smaller batch size that measured both regimes (else the nearest
-        larger), scaled by the ratio of the batch sizes, on top of this size's own t = 1. From a
-        smaller size that is an upper bound for a cost that grows less than in proportion to the
-        batch (what `_across_rows` assumes beyond the largest measured size). None where no
-        size measured both.
-
-        Priced E(R, 1) x t instead (the line through the origin from the no-draft step), a
-        size whose first steps drafted nothing saw every block cost about t times a plain step
-        and never drafted, so it never measured drafting: in the bench's order (one batch per
-        size first, then each category from one request up), E(4, 2) read 6.6 ms against
-        3.3 ms without drafts and ~4.4 ms measured elsewhere, and 4 requests never drafted
-        (float32, bundled pair, AVX-512 EPYC). With the increment of 2 requests doubled: 1558-1689
-        tok/s at 4 requests (13-85% of steps drafting) against 1404-1454 (none drafting), in the
-        same sequence on fresh engines."""
-        both = (self.weight[:, 1:] >= self.min_weight).any(axis=1) & (self.weight[:, 0] >= self.min_weight)
-        both[r] = False
-        if not both.any():
-            return None
-        below = np.flatnonzero(both[:r])
-        lender = int(below[-1]) if below.size else int(np.flatnonzero(both)[0])
-        other = self._row(lender)
-        if other is None:
-            return None
-        return self.mean[r, 0] + (other - other[0]) * (self.r_knots[r] / self.r_knots[lender])
 
     def _line_short_blocks(self, r: int, curve: np.ndarray) -> None:
         """Blocks shorter than row r's shortest measured one, on the straight line from its
