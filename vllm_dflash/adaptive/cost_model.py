@@ -124,10 +124,11 @@ class StepCost:
         self._cells: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
         # Rows whose cached curve is a fit over t >= 2 (`_row`): a sample at t = 1 moves only its first value
         self._fitted_rows: set[int] = set()
-        # Rows whose shortest measured block is longer than t = 2 (`_row`), and of those the ones whose
-        # shorter blocks lie on the line from t = 1 (`_line_short_blocks`): row -> the shortest's knot
-        self._short_unmeasured: set[int] = set()
+        # Rows whose shortest measured block is longer than t = 2 (`_row`): with t = 1 known, their shorter
+        # blocks lie on the line from it (`_line_short_blocks`; row -> the shortest's knot); without, they
+        # wait for t = 1 to be lined (a refit)
         self._lined: dict[int, int] = {}
+        self._awaiting_line: set[int] = set()
 
     @property
     def ready(self) -> bool:
@@ -197,9 +198,7 @@ class StepCost:
             new_w = old_w * keep + w
             mean[r, t] = (old * old_w * keep + x * w) / new_w
             weight[r, t] = new_w
-            # (a row with unmeasured short blocks and no t = 1 yet is lined once t = 1 is known: refitted)
-            in_place = t == 0 and r in self._fitted_rows and (r not in self._short_unmeasured or r in self._lined)
-            curve = rows.get(r) if in_place else None
+            curve = rows.get(r) if t == 0 and r in self._fitted_rows and r not in self._awaiting_line else None
             if curve is None:
                 rows.pop(r, None)
             elif new_w >= self.min_weight:
@@ -226,16 +225,16 @@ class StepCost:
         rest = known.copy()
         rest[0] = False
         self._fitted_rows.discard(r)
-        self._short_unmeasured.discard(r)
         self._lined.pop(r, None)
+        self._awaiting_line.discard(r)
         if rest.any():
             curve = self._fit(self.t_knots[rest], self.mean[r][rest], w[rest])
             shortest = int(np.argmax(rest))
-            if shortest > 1:
-                self._short_unmeasured.add(r)
-                if known[0]:
-                    self._lined[r] = shortest
-                    self._line_short_blocks(r, curve)
+            if shortest > 1 and known[0]:
+                self._lined[r] = shortest
+                self._line_short_blocks(r, curve)
+            elif shortest > 1:
+                self._awaiting_line.add(r)
             if known[0]:
                 curve[0] = min(self.mean[r, 0], curve[1])  # non-decreasing across the jump
             self._fitted_rows.add(r)
