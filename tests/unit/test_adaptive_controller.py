@@ -32,6 +32,7 @@ def controller(step_cost, draft_cost, requests=(1, 4, 16, 64), **kwargs) -> Budg
         c._warmup_done[c._warmup_key(r)] = c.warmup_steps
         c._warmup_total += c.warmup_steps
         c._no_draft_seen.add(c._warmup_key(r))  # as if measured: no first run without drafts
+        c._draft_seen.add(c._warmup_key(r))  # nor a first drafting run
     return c
 
 

@@ -73,6 +73,7 @@ def _controller_drafting_at_8(slope: float = 0.05, **kwargs) -> tuple[BudgetCont
     c._warmup_done[c._warmup_key(8)] = c.warmup_steps
     c._warmup_total += c.warmup_steps
     c._no_draft_seen.add(c._warmup_key(8))  # as if measured: no first run without drafts
+    c._draft_seen.add(c._warmup_key(8))  # nor a first drafting run
     ids = [f"r{i}" for i in range(8)]
     c.prior.record(ids, np.full(8, GREEDY), np.tile(np.cumprod(np.full(K, 0.6)), (8, 1)))
     return c, ids, np.full(8, GREEDY)
@@ -365,6 +366,7 @@ def test_curves_far_apart_do_not_probe():
     c._warmup_done[c._warmup_key(1)] = c.warmup_steps
     c._warmup_total += c.warmup_steps
     c._no_draft_seen.add(c._warmup_key(1))  # as if measured: no first run without drafts
+    c._draft_seen.add(c._warmup_key(1))  # nor a first drafting run
     c.prior.record(["a"], np.full(1, GREEDY), np.cumprod(np.full(K, 0.9))[None, :])
     plans = [c.plan(["a"], np.full(1, GREEDY)) for _ in range(300)]
     assert all(p.reason == OPTIMAL and p.q > 0 for p in plans)

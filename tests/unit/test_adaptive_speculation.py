@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vllm_dflash.adaptive.calibration import GREEDY
 from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, PROBE, Plan
 from vllm_dflash.adaptive import speculation
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
@@ -12,13 +13,13 @@ from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 K = 4
 
 
-def step(spec, now, req_ids, verified, accepted, num_tokens, q_feature=0.9, eligible=None):
+def step(spec, now, req_ids, verified, accepted, num_tokens, q_feature=0.9, eligible=None, not_drafting=0.0):
     n = len(req_ids)
     plan = spec.begin(now, req_ids, np.array(verified), np.array(accepted), num_tokens,
                       np.ones(n, dtype=bool), np.ones(n, dtype=bool) if eligible is None else np.array(eligible))
     feature = np.full((n, plan.q), q_feature)
     budgets = spec.choose(now + 0.001, feature, feature)
-    spec.end(now + 0.002)
+    spec.end(now + 0.002, not_drafting=not_drafting)
     return plan, budgets
 
 
@@ -214,6 +215,7 @@ def _coasting_spec(**kwargs):
     for t in range(1, K + 2):
         spec.controller.step_cost.observe(2, t, 8e-3 * t)
         spec.controller.draft_cost.observe(2, t, 2e-3 * t)
+    spec.controller._draft_seen.add(spec.controller._warmup_key(2))  # as if measured: no first drafting run
     plan, _ = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2)
     assert plan.q == 0
     return spec
@@ -349,6 +351,7 @@ def _drafting_spec(**kwargs):
         spec.controller.step_cost.observe(2, t, 8e-3 + 1e-5 * t)
         spec.controller.draft_cost.observe(2, t, 1e-3)
     spec.controller._no_draft_seen.add(spec.controller._warmup_key(2))  # as if measured: no first no-draft run
+    spec.controller._draft_seen.add(spec.controller._warmup_key(2))  # nor a first drafting run
     plan, budgets = step(spec, 0.0, ["a", "b"], [0, 0], [0, 0], 2, q_feature=0.99)
     assert plan.q == K and budgets.tolist() == [K, K]
     return spec
@@ -438,28 +441,33 @@ def test_runs_cut_short_still_explore_at_the_planned_rate():
     assert mean - 5 * sd <= explored <= mean + 5 * sd
 
 
-def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
+def test_a_cycle_after_a_switch_of_kind_is_no_sample_but_a_return_to_drafting_is_charged_to_its_arm():
     """Drafting steps, then a probe (probe_steps steps without drafts), then drafting again:
     the first cycle of each kind after a switch holds the tail of the other kind's last
-    step, so it reaches neither the arms, nor E(R, t), nor the realised/forecast ratios;
-    the later cycles of the run do, and every step still gives its D(R, q + 1) sample."""
+    step, so it reaches neither E(R, t) nor the realised/forecast ratios; the later cycles
+    of the run do, and every step still gives its D(R, q + 1) sample. The first drafting
+    cycle after the probe reaches the drafting arm, whole: its call's time spent writing the
+    context held back by the probe (`not_drafting`, out of D) included; the first cycle
+    without drafts reaches no arm."""
     spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0, measure_first_calls=True)
     c = spec.controller
     arms, steps, realized, drafts = [], [], [], []
     arms_observe, step_observe, realized_observe, draft_observe = (
         c.arms.observe, c.step_cost.observe, c.realized.observe, c.draft_cost.observe)
-    c.arms.observe = lambda r, drafted, s, t: (arms.append(drafted), arms_observe(r, drafted, s, t))
+    c.arms.observe = lambda r, drafted, s, t: (arms.append((drafted, s)), arms_observe(r, drafted, s, t))
     c.step_cost.observe = lambda r, t, s: (steps.append(t), step_observe(r, t, s))
     c.realized.observe = lambda r, drafted, *a: (realized.append(drafted), realized_observe(r, drafted, *a))
-    c.draft_cost.observe = lambda r, t, s: (drafts.append(t), draft_observe(r, t, s))
+    c.draft_cost.observe = lambda r, t, s: (drafts.append((t, s)), draft_observe(r, t, s))
     kinds, verified, now = [True], [K, K], 0.01  # the spec's first step drafted full blocks
     total = 4 + c.probe_steps + 4
+    back = 4 + c.probe_steps  # the step that drafts again: it writes the probe's held context
     for i in range(total + 1):
         if i == 4:
             spec.fold_runs()
             c._explore_next = PROBE  # what a run's draw leaves for plan(): this step probes
         accepted = [min(1, v) for v in verified]
-        plan, budgets = step(spec, now, ["a", "b"], verified, accepted, 2 + sum(verified), q_feature=0.99)
+        plan, budgets = step(spec, now, ["a", "b"], verified, accepted, 2 + sum(verified), q_feature=0.99,
+                             not_drafting=0.0015 if i == back else 0.0)
         kinds.append(plan.q > 0)
         verified = budgets.tolist()
         now += 0.01
@@ -468,7 +476,12 @@ def test_a_cycle_after_a_switch_of_kind_is_no_sample_of_either_kind():
     # Cycle j closes at the step after it: cycles 0 .. total have closed.
     closed = kinds[:total + 1]
     clean = [closed[0]] + [k for before, k in zip(closed, closed[1:]) if before == k]
-    assert arms == realized == clean
+    charged = [closed[0]] + [k for before, k in zip(closed, closed[1:]) if before == k or (k and not before)]
+    assert realized == clean
+    assert [drafted for drafted, _ in arms] == charged != clean
+    # Each cycle spans 10 ms; the return to drafting's call drafted 0.5 ms of it and wrote held context for 1.5 ms.
+    assert [s for _, s in arms] == pytest.approx([0.01] * len(charged))
+    assert sorted(s for _, s in drafts)[0] == pytest.approx(0.0005, rel=0.05)  # D(R, q + 1) without the held write (speed index units)
     assert clean.count(False) == c.probe_steps - 1
     assert steps.count(1.0) == c.probe_steps - 1  # E(R, 1): the probe's cycles after its first
     assert len(drafts) == total + 1  # D(R, q + 1): every step's own
@@ -507,6 +520,69 @@ def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
     c._cache.clear()
     plan, _ = step(spec, now, ["a", "b"], verified, verified, 2 + sum(verified), q_feature=0.99)
     assert plan.q > 0 and plan.reason != PROBE
+
+
+def _curves_say_drafting_costs_a_little_at_2() -> AdaptiveSpeculation:
+    """Warmed up, no exploration or probes, the step without drafts measured at 2 requests; curves
+    there that put drafting behind not drafting (a verified token costs what a plain one does),
+    though a drafted block is best verified in part; drafting never measured."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
+                               probe_probability=0.0)
+    c = spec.controller
+    for t in range(1, K + 2):
+        c.step_cost.observe(2, t, 8e-3 * t)
+        c.draft_cost.observe(2, t, 2e-3 * t)
+    c._no_draft_seen.add(c._warmup_key(2))
+    c.prior.record(["a", "b"], np.full(2, GREEDY), np.tile(np.cumprod(np.full(K, 0.95)), (2, 1)))
+    return spec
+
+
+def _step_on_the_curves(spec, now: float, req_ids, verified, accepted) -> tuple:
+    """One step timed as `_curves_say_drafting_costs_a_little_at_2` prices it: drafting
+    D(2, q + 1) = 2 ms x (q + 1), then the step outside drafting E(2, t) = 8 ms x t.
+    Returns (plan, budgets, when the next step begins)."""
+    n = len(req_ids)
+    plan = spec.begin(now, req_ids, np.array(verified), np.array(accepted), n + sum(verified),
+                      np.ones(n, dtype=bool), np.ones(n, dtype=bool))
+    feature = np.full((n, plan.q), 0.99)
+    drafting = 2e-3 * (plan.q + 1)
+    budgets = spec.choose(now + drafting / 2, feature, feature)
+    spec.end(now + drafting)
+    return plan, budgets, now + drafting + 8e-3 * (1 + budgets.sum() / n)
+
+
+def test_a_size_never_measured_drafting_measures_that_first_then_the_arms_decide():
+    """Curves that say not drafting at 2 requests, no drafting cycle measured there, and the
+    curves' best drafting q verifies something: the first plan not to draft becomes a run of
+    first_draft_steps drafting steps at that q, whose cycles after the first (the switch)
+    reach the drafting arm; the drafts, half accepted, deliver fewer tokens per second than
+    not drafting, and the plan is no draft again; that size never gets such a run again, even
+    with its drafting arm faded. A size whose drafting arm already holds the verdict's cycles
+    gets none."""
+    spec = _curves_say_drafting_costs_a_little_at_2()
+    c = spec.controller
+    qs, reasons, verified, now = [], [], [0, 0], 0.0
+    for _ in range(c.first_draft_steps + 6):
+        plan, budgets, now = _step_on_the_curves(spec, now, ["a", "b"], verified, [(v + 1) // 2 for v in verified])
+        qs.append(plan.q)
+        reasons.append(plan.reason)
+        verified = budgets.tolist()
+    spec.fold_runs()
+    n = c.first_draft_steps
+    assert qs[0] > 0 and qs == [qs[0]] * n + [0] * 6 and reasons[:n] == [PROBE] * n
+    assert c.arms.cycles(2, True) >= n - 2  # the run's cycles, less the switch's (and one still open)
+    c.arms._sums[c._warmup_key(2)][1] = [0.0] * 5  # the drafting arm faded away
+    c._cache.clear()
+    plan, _, _ = _step_on_the_curves(spec, now, ["a", "b"], [0, 0], [0, 0])
+    assert plan.q == 0 and plan.reason != PROBE
+
+    measured = _curves_say_drafting_costs_a_little_at_2()
+    arms = measured.controller.arms
+    while arms.cycles(2, True) < arms.min_cycles:
+        arms.observe(2, True, 30e-3, 4)
+        arms.observe(2, False, 10e-3, 2)
+    plan, _, _ = _step_on_the_curves(measured, 0.0, ["a", "b"], [0, 0], [0, 0])
+    assert plan.q == 0 and plan.reason != PROBE
 
 
 def test_a_size_measured_without_drafts_drafts_at_once():

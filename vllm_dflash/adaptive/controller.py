@@ -36,7 +36,12 @@ same kind as the one before it is measured, so a lone no-draft step among
 drafting ones would measure nothing. At a batch size whose no-draft step was
 never measured, the first plan to draft is preceded by a run of
 `first_no_draft_steps` steps without drafts: its cost there is otherwise only
-carried over from other sizes, and nothing would ever correct it.
+carried over from other sizes, and nothing would ever correct it. The other way
+round, at a batch size where drafting was never measured (its curves extrapolated
+from warm-up's few long blocks), the first plan not to draft, while the arms cannot
+tell, is preceded by a run of `first_draft_steps` drafting steps at the curves' best
+drafting q (`_drafting_unmeasured`): otherwise no drafting cost there is ever measured,
+and a size that was meant to draft never does.
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
@@ -102,6 +107,7 @@ class _CachedPlan(NamedTuple):
     verdict: int  # the measured arms' verdict it followed (`ArmRates.verdict`)
     other_q: int  # the q of the arm it did not pick (0, or the best drafting q)
     probe: bool  # the curves see the arms close and the measured arms cannot yet tell
+    other_verifies: bool  # other_q's best budget verifies something
 
 
 @dataclass
@@ -138,7 +144,8 @@ class BudgetController:
     def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
                  per_request_prior: bool = True, refresh_steps: int = 16, probe_margin: float = 0.2,
-                 probe_probability: float = 0.125, probe_steps: int = 4, first_no_draft_steps: int = 7):
+                 probe_probability: float = 0.125, probe_steps: int = 4, first_no_draft_steps: int = 7,
+                 first_draft_steps: int = 7):
         if max_k < 1:
             raise ValueError(f"max_k={max_k} must be >= 1")
         self.max_k = max_k
@@ -160,7 +167,11 @@ class BudgetController:
         if first_no_draft_steps < 0:
             raise ValueError(f"first_no_draft_steps={first_no_draft_steps} must be >= 0")
         self.first_no_draft_steps = first_no_draft_steps
+        if first_draft_steps < 0:
+            raise ValueError(f"first_draft_steps={first_draft_steps} must be >= 0")
+        self.first_draft_steps = first_draft_steps
         self._no_draft_seen: set[int] = set()  # batch-size knots whose no-draft step was measured or is being
+        self._draft_seen: set[int] = set()  # batch-size knots whose drafting was measured or is being
         # The open run of the other kind (`_start_other_run`): further steps, its q and reason.
         self._other_left, self._other_q, self._other_reason = 0, 0, PROBE
         self._warmup_done: dict[int, int] = {}
@@ -238,6 +249,9 @@ class BudgetController:
         if q > 0 and self._no_draft_unmeasured(requests):
             self._start_other_run(0, PROBE, self.first_no_draft_steps)
             return Plan(0, PROBE)
+        if q == 0 and explore_now is None and self._drafting_unmeasured(requests, entry):
+            self._start_other_run(entry.other_q, PROBE, self.first_draft_steps)
+            return Plan(entry.other_q, PROBE)
         if explore_now == PROBE or (explore_now is None and entry.probe
                                     and self.rng.random() < self.probe_probability / self.probe_steps):
             if entry.other_q == 0:
@@ -272,6 +286,24 @@ class BudgetController:
         # Fewer cycles than the arms need for a verdict count as unmeasured: one warm-up cycle at
         # 2 requests (2.87 ms, bfloat16) had skipped the run, and drafting ran at 0.94x there.
         return self.arms.cycles(requests, False) < self.arms.min_cycles
+
+    def _drafting_unmeasured(self, requests: int, entry: _CachedPlan) -> bool:
+        """True once per batch-size knot, at the first plan not to draft there that the arms
+        do not decide, if fewer drafting cycles were measured there than the arms' verdict
+        needs and the curves' best drafting q verifies something. A size's drafting curves
+        come from warm-up's few steps (mostly full blocks: at 4 requests, a handful of samples
+        at t = 8-16, shorter blocks extrapolated), so a plan may never draft there, and then
+        nothing it would draft is ever measured: in bench order, 4 requests after 1 and 2 drafted
+        in 0-7% of steps in some runs and 63-95% in others, as early explorations happened to
+        fall (float32, AVX-512 EPYC), where static k = 15 ran 1.06-1.19x of no speculation on
+        prose. The run's cycles after the first reach the arms, whose verdict then decides."""
+        if self.first_draft_steps == 0 or entry.other_q == 0 or not entry.other_verifies or entry.verdict != 0:
+            return False
+        knot = nearest_knot(self._knots, requests)
+        if knot in self._draft_seen:
+            return False
+        self._draft_seen.add(knot)
+        return self.arms.cycles(requests, True) < self.arms.min_cycles
 
     def _start_other_run(self, q: int, reason: str, steps: int | None = None) -> None:
         """A step of the other kind than the plan's (not drafting while the plan drafts: a probe
@@ -422,7 +454,7 @@ class BudgetController:
             if q == 0:  # an exploring step drafts, and first writes the held context
                 explore_cost += switch[0] / float(seconds[0])
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, explore_cost, factors,
-                                interval, req_ids, verdict, other_q, probe)
+                                interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]))
             self._cache[requests] = entry
         return entry
 
