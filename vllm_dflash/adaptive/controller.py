@@ -279,13 +279,7 @@ class BudgetController:
         (bfloat16, AVX-512 EPYC)."""
         if self.first_no_draft_steps == 0:
             return False
-        knot = nearest_knot(self._knots, requests)
-        if knot in self._no_draft_seen:
-            return False
-        self._no_draft_seen.add(knot)
-        # Fewer cycles than the arms need for a verdict count as unmeasured: one warm-up cycle at
-        # 2 requests (2.87 ms, bfloat16) had skipped the run, and drafting ran at 0.94x there.
-        return self.arms.cycles(requests, False) < self.arms.min_cycles
+        return self._first_at_knot(self._no_draft_seen, requests, drafted=False)
 
     def _drafting_unmeasured(self, requests: int, entry: _CachedPlan) -> bool:
         """True once per batch-size knot, at the first plan not to draft there that the arms
@@ -299,11 +293,18 @@ class BudgetController:
         prose. The run's cycles after the first reach the arms, whose verdict then decides."""
         if self.first_draft_steps == 0 or entry.other_q == 0 or not entry.other_verifies or entry.verdict != 0:
             return False
+        return self._first_at_knot(self._draft_seen, requests, drafted=True)
+
+    def _first_at_knot(self, seen: set[int], requests: int, drafted: bool) -> bool:
+        """True the first time a batch-size knot is asked (`seen` holds the knots asked) if that
+        arm has fewer cycles there than the arms' verdict needs (`ArmRates.min_cycles`). Fewer
+        cycles count as unmeasured: one warm-up cycle at 2 requests (2.87 ms, bfloat16) had
+        skipped the first no-draft run, and drafting ran at 0.94x there."""
         knot = nearest_knot(self._knots, requests)
-        if knot in self._draft_seen:
+        if knot in seen:
             return False
-        self._draft_seen.add(knot)
-        return self.arms.cycles(requests, True) < self.arms.min_cycles
+        seen.add(knot)
+        return self.arms.cycles(requests, drafted) < self.arms.min_cycles
 
     def _start_other_run(self, q: int, reason: str, steps: int | None = None) -> None:
         """A step of the other kind than the plan's (not drafting while the plan drafts: a probe
