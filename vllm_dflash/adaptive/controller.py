@@ -290,8 +290,9 @@ class BudgetController:
         nothing it would draft is ever measured: in bench order, 4 requests after 1 and 2 drafted
         in 0-7% of steps in some runs and 63-95% in others, as early explorations happened to
         fall (float32, AVX-512 EPYC), where static k = 15 ran 1.06-1.19x of no speculation on
-        prose. The run's cycles after the first reach the arms, whose verdict then decides."""
-        if self.first_draft_steps == 0 or entry.other_q == 0 or not entry.other_verifies or entry.verdict != 0:
+        prose. The run's cycles after the first reach the arms, whose verdict then decides.
+        (A plan without drafts always has a drafting q to compare, `other_q` >= 1.)"""
+        if self.first_draft_steps == 0 or not entry.other_verifies or entry.verdict != 0:
             return False
         return self._first_at_knot(self._draft_seen, requests, drafted=True)
 

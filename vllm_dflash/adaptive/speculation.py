@@ -117,7 +117,8 @@ class AdaptiveSpeculation:
         self._run_q = 0  # its plan (0: coasting)
         self._prev_end: float | None = None
         # (q, forecast drafting and step seconds, drafting seconds in the speed index's units, expected
-        # accepted drafts, requests, drafting seconds as measured) of the last call
+        # accepted drafts, requests, drafting seconds as measured, seconds of the call that were not
+        # drafting: held context and prompt rows written) of the last call
         self._prev_cycle: tuple[int, float, float, float, float, int, float, float] | None = None
         self._drafted_before: bool | None = None  # whether the cycle before _prev_cycle drafted
         self._drafted_shapes: set[tuple[int, int]] = set()  # (requests, q) drafted before (`_close_cycle`)
