@@ -28,7 +28,8 @@ held back; drafting is planned only where it finishes the requests' remaining
 tokens sooner with that cost paid (`switch_pays`).
 Where the measured tokens per second of drafting and not drafting differ
 beyond their noise (`realized.ArmRates`, drafting's rate scaled by its
-drain), that verdict decides between drafting and not; while the plan is to
+drain; the burden of proof on drafting: one standard error behind stops it,
+two ahead start it), that verdict decides between drafting and not; while the plan is to
 draft, the curves see drafting ahead by less than `probe_margin` and the
 measurements cannot yet tell, about a `probe_probability` share of decisions
 does not draft (a probe), in runs of `probe_steps` steps: only a cycle of the
