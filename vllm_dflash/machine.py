@@ -20,9 +20,14 @@ ISA_FLAGS = {
 }
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo ('', set() elsewhere)."""
-    model, flags = "", set()
+# /proc/cpuinfo key -> machine_info key: which generation a model name covers ("AMD EPYC" alone named
+# two of them in this project's results: family 25 model 17 and family 26 model 2).
+CPU_IDENT = {"cpu family": "cpu_family", "model": "cpu_model_number", "stepping": "cpu_stepping"}
+
+
+def _cpuinfo() -> tuple[str, set[str], dict[str, str]]:
+    """(model name, flags, family/model/stepping) of the first CPU in /proc/cpuinfo ('', set(), {} elsewhere)."""
+    model, flags, ident = "", set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -32,11 +37,13 @@ def _cpuinfo() -> tuple[str, set[str]]:
                     model = value.strip()
                 elif key == "flags" and not flags:
                     flags = set(value.split())
-                if model and flags:
+                elif key in CPU_IDENT and CPU_IDENT[key] not in ident:
+                    ident[CPU_IDENT[key]] = value.strip()
+                if model and flags and len(ident) == len(CPU_IDENT):
                     break
     except OSError:
         pass
-    return model or platform.processor() or platform.machine(), flags
+    return model or platform.processor() or platform.machine(), flags, ident
 
 
 def _version(module: str) -> str | None:
@@ -54,10 +61,11 @@ def _version(module: str) -> str | None:
 
 
 def machine_info() -> dict:
-    """CPU model, ISA flags, cores, torch / vLLM versions, GPU if any."""
-    model, flags = _cpuinfo()
+    """CPU model (name, family / model / stepping), ISA flags, cores, torch / vLLM versions, GPU if any."""
+    model, flags, ident = _cpuinfo()
     info = {
         "cpu_model": model,
+        **{key: ident.get(key) for key in CPU_IDENT.values()},
         "arch": platform.machine(),
         "isa": {name: flag in flags for flag, name in ISA_FLAGS.items()},
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -80,8 +88,11 @@ def describe(info: dict | None = None) -> str:
     info = info or machine_info()
     isa = [name for name, present in info["isa"].items() if present]
     isa_text = ", ".join(isa) if isa else "none of " + "/".join(ISA_FLAGS.values())
+    ident = ""
+    if info.get("cpu_family") is not None:
+        ident = f"family {info['cpu_family']} model {info.get('cpu_model_number')} stepping {info.get('cpu_stepping')}, "
     line = (
-        f"{info['cpu_model']} ({info['arch']}, {info['cores']} cores; ISA: {isa_text}); "
+        f"{info['cpu_model']} ({ident}{info['arch']}, {info['cores']} cores; ISA: {isa_text}); "
         f"torch {info['torch']}, vLLM {info['vllm']}"
     )
     if info.get("gpu"):
