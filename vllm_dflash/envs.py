@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     VLLM_DFLASH_JIT_VERIFIER: bool
     VLLM_DFLASH_SKIP_NVCC: bool
     VLLM_DFLASH_ADAPTIVE_SCHEDULE: str | None
+    VLLM_DFLASH_ADAPTIVE_TRACE: str | None
     VLLM_DFLASH_GEMM_ROWS: bool
     _VLLM_DFLASH_STATS_DIR: str | None
 
@@ -105,6 +106,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # adaptive.controller.ForcedSchedule) instead of the cost-driven one; read
     # when the proposer is built.
     "VLLM_DFLASH_ADAPTIVE_SCHEDULE": _adaptive_schedule,
+    # A file the adaptive controller appends one JSON line to per replan and per
+    # step of another reason than "optimal" (its q, reason, plan values, arms):
+    # why an engine drafted where it did. Rank r > 0 writes FILE.rank<r>. Read
+    # when the proposer is built; unset, nothing is written.
+    "VLLM_DFLASH_ADAPTIVE_TRACE": _path("VLLM_DFLASH_ADAPTIVE_TRACE"),
     # 0 turns off the row-count grid of CPU GEMMs (serving.gemm_rows: padded
     # target passes, query blocks and context writes, kernels made at load);
     # for comparisons. Read when the proposer loads.

@@ -190,6 +190,10 @@ class BudgetController:
         # nothing was drafted, output tokens the requests have left (None: unbounded)): the proposer's
         self.switch_cost: Callable[[list[str]], tuple[float, int | None]] | None = None
         self._cache: dict[int, _CachedPlan] = {}  # per batch size
+        # Where plan() reports each replan and each step of another reason than OPTIMAL, as a dict
+        # (`PlanTrace`, VLLM_DFLASH_ADAPTIVE_TRACE); None: nothing is kept.
+        self.trace: Callable[[dict], None] | None = None
+        self._replan: dict | None = None  # what the last replan saw, for the trace
 
     # ------------------------------------------------------------- planning --
 
@@ -223,6 +227,16 @@ class BudgetController:
 
     def plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
         """Query length q for the R = len(req_ids) requests of this step."""
+        if self.trace is None:
+            return self._plan(req_ids, kinds)
+        self._replan = None
+        plan = self._plan(req_ids, kinds)
+        if self._replan is not None or plan.reason != OPTIMAL:
+            self.trace({"decision": self._decisions, "requests": len(req_ids), "q": plan.q, "reason": plan.reason,
+                        **(self._replan or {})})
+        return plan
+
+    def _plan(self, req_ids: list[str], kinds: np.ndarray) -> Plan:
         requests = len(req_ids)
         if requests == 0:
             return Plan(0, OPTIMAL)
@@ -456,6 +470,12 @@ class BudgetController:
             explore_cost = self._exploration_cost(q, float(seconds[q]), full, scaled)
             if q == 0:  # an exploring step drafts, and first writes the held context
                 explore_cost += switch[0] / float(seconds[0])
+            if self.trace is not None:
+                self._replan = {"values": [round(float(v), 3) for v in scaled], "best_draft": best_draft,
+                                "planned_q": q, "verdict": verdict, "factors": [round(f, 4) for f in factors],
+                                "arms": [round(r, 1) for r in self.arms.rates(requests)],
+                                "arm_cycles": [round(self.arms.cycles(requests, d), 1) for d in (False, True)],
+                                "switch_seconds": round(switch[0], 6), "tokens_left": switch[1], "probe": probe}
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, explore_cost, factors,
                                 interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]))
             self._cache[requests] = entry

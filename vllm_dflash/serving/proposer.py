@@ -50,6 +50,7 @@ from vllm_dflash import envs, ops, profiler
 from vllm_dflash.adaptive import prometheus
 from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confidence, draft_confidence,
                                               sampled_confidence)
+from vllm_dflash.adaptive.plan_trace import PlanTrace
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
 from vllm_dflash.serving import gemm_rows
@@ -153,13 +154,17 @@ class DFlashProposer(DrafterBase):
             )
         path = prometheus.stats_path(tp_rank) if tp_rank == 0 else None
         seed = vllm_config.model_config.seed
-        return AdaptiveSpeculation(
+        adaptive = AdaptiveSpeculation(
             self.num_speculative_tokens,
             vllm_config.scheduler_config.max_num_seqs,
             seed=0 if seed is None else int(seed),
             schedule=envs.adaptive_schedule(),
             stats=AdaptiveStats(self.num_speculative_tokens, path=path),
         )
+        trace = envs.VLLM_DFLASH_ADAPTIVE_TRACE
+        if trace:
+            adaptive.controller.trace = PlanTrace(trace if tp_rank == 0 else f"{trace}.rank{tp_rank}")
+        return adaptive
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
