@@ -1,6 +1,7 @@
 """VLLM_DFLASH_ADAPTIVE_TRACE: the controller's replans and off-plan steps as JSON lines."""
 
 import json
+import os
 import types
 
 import numpy as np
@@ -38,7 +39,8 @@ def test_plan_trace_appends_json_lines_and_the_proposer_wires_it(tmp_path, monke
     trace({"decision": 2, "q": 0})
     trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [(r["decision"], r["q"]) for r in lines] == [(1, 3), (2, 0)] and all(r["time"] > 0 for r in lines)
+    assert [(r["decision"], r["q"]) for r in lines] == [(1, 3), (2, 0)]
+    assert all(r["time"] > 0 and r["pid"] == os.getpid() for r in lines)
 
     config = types.SimpleNamespace(model_config=types.SimpleNamespace(seed=0),
                                    scheduler_config=types.SimpleNamespace(max_num_seqs=4))

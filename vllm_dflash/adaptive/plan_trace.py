@@ -11,11 +11,13 @@ every 16-64 decisions and steady runs skip planning, so the file stays small.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 
 class PlanTrace:
-    """Appends each record (a dict from `BudgetController.plan`) to `path`, stamped with wall time."""
+    """Appends each record (a dict from `BudgetController.plan`) to `path`, stamped with wall time and
+    the process id (engines of several bench rounds may share one file)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -24,7 +26,7 @@ class PlanTrace:
     def __call__(self, record: dict) -> None:
         if self._file is None:
             self._file = open(self.path, "a", buffering=1)  # line-buffered: readable while the engine runs
-        self._file.write(json.dumps({"time": round(time.time(), 4), **record}) + "\n")
+        self._file.write(json.dumps({"time": round(time.time(), 4), "pid": os.getpid(), **record}) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
