@@ -5,6 +5,7 @@ import os
 import types
 
 import numpy as np
+import pytest
 from test_adaptive_realized import K, _controller_drafting_at_8
 
 from vllm_dflash.adaptive.controller import OPTIMAL, PROBE
@@ -53,3 +54,7 @@ def test_plan_trace_appends_json_lines_and_the_proposer_wires_it(tmp_path, monke
     assert isinstance(rank1.trace, PlanTrace) and rank1.trace.path == f"{path}.rank1"
     rank1.plan(["a"], np.zeros(1, dtype=np.int64))  # warm-up: a step of reason "warmup"
     assert json.loads((tmp_path / "plans.jsonl.rank1").read_text())["reason"] == "warmup"
+    # A path that cannot be written fails when the engine is built, naming the variable and the fix.
+    monkeypatch.setenv("VLLM_DFLASH_ADAPTIVE_TRACE", str(tmp_path / "missing" / "plans.jsonl"))
+    with pytest.raises(ValueError, match=r"VLLM_DFLASH_ADAPTIVE_TRACE=.*missing.*give a writable file path"):
+        DFlashProposer._build_adaptive(proposer, config, None, tp_rank=0)

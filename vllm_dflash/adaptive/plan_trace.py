@@ -20,12 +20,11 @@ class PlanTrace:
     the process id (engines of several bench rounds may share one file)."""
 
     def __init__(self, path: str):
+        """Opens `path` now (OSError here, where the engine is built, not in a serving step)."""
         self.path = path
-        self._file = None
+        self._file = open(path, "a", buffering=1)  # line-buffered: readable while the engine runs
 
     def __call__(self, record: dict) -> None:
-        if self._file is None:
-            self._file = open(self.path, "a", buffering=1)  # line-buffered: readable while the engine runs
         self._file.write(json.dumps({"time": round(time.time(), 4), "pid": os.getpid(), **record}) + "\n")
 
     def close(self) -> None:

@@ -173,7 +173,7 @@ class ArmRates:
     tokens against 2.92 ms for 8), and which kind ran flipped from run to run. Here the
     two arms are measured as they are, ratio of forgetting sums (tokens / measured seconds:
     not in the speed index's units, which follow the curves' predictions and so would carry
-    their error into the arm they mispredict), and compared with a two-sided test on the per-cycle log rates:
+    their error into the arm they mispredict), and compared by a test on the per-cycle log rates:
     `verdict` is +1 (drafting delivers more, by over `z` standard errors), -1 (drafting
     delivers less, by over `stop_z` standard errors) or 0 (either arm has fewer than
     `min_cycles` cycles measured, or the difference is within those bounds). The burden
@@ -187,9 +187,9 @@ class ArmRates:
     `RealizedRatio`: its faded weight widens the standard error, so a verdict is
     re-examined as its evidence ages (a strong one holds longer than a weak one), not
     kept for good. `min_cycles` counts the cycles measured (forgotten only as the arm's own
-    newer cycles come, less what `discount` drops), not their faded weight: gated on the weight, a verdict lapsed a few cycles after the
-    7-step run that measured the other arm, however clear it was, and the curves it had
-    overruled decided again.
+    newer cycles come, less what `discount` drops), not their faded weight: gated on the
+    weight, a verdict lapsed a few cycles after the 7-step run that measured the other arm,
+    however clear it was, and the curves it had overruled decided again.
 
     What drafting delivers depends on the text: the arms measure the requests that ran. When
     a step's requests are all new (at one request: every new request), their evidence is

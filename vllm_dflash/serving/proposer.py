@@ -163,7 +163,11 @@ class DFlashProposer(DrafterBase):
         )
         trace = envs.VLLM_DFLASH_ADAPTIVE_TRACE
         if trace:
-            adaptive.controller.trace = PlanTrace(trace if tp_rank == 0 else f"{trace}.rank{tp_rank}")
+            try:
+                adaptive.controller.trace = PlanTrace(trace if tp_rank == 0 else f"{trace}.rank{tp_rank}")
+            except OSError as error:
+                raise ValueError(f"VLLM_DFLASH_ADAPTIVE_TRACE={trace!r} cannot be opened for appending ({error}); "
+                                 "give a writable file path, or unset it") from error
         return adaptive
 
     def load_model(self, target_model: torch.nn.Module) -> None:
