@@ -218,7 +218,7 @@ def test_survival_correction_removes_a_bias_where_positions_are_verified():
     the bias moving along the draft; drafts verified up to a budget of 8, positions
     9.. never. After enough outcomes the corrected survival is within 0.03 of the truth
     where verified (deep positions too, though they see few acceptances), the deepest
-    verified factor carries to the unverified positions, and corrected rows stay
+    verified shift carries to the unverified positions, and corrected rows stay
     non-increasing and <= 1."""
     from vllm_dflash.adaptive.calibration import SurvivalCorrection
 
@@ -235,8 +235,8 @@ def test_survival_correction_removes_a_bias_where_positions_are_verified():
         corr.update(np.tile(raw, (n, 1)), np.full(n, budget), accepted)
     fixed = corr.apply(raw[None, :])[0]
     assert np.all(np.abs(fixed[:budget] - truth[:budget]) < 0.03), (fixed, truth)
-    factors = corr.factors()
-    assert np.allclose(factors[budget:], factors[budget - 1])
+    shifts = corr.shifts()
+    assert np.allclose(shifts[budget:], shifts[budget - 1])
     assert np.all(np.diff(fixed) <= 0) and fixed.max() <= 1.0
     assert np.allclose(SurvivalCorrection(k).apply(raw[None, :])[0], raw)  # no evidence: unchanged
 
@@ -271,11 +271,11 @@ def test_upper_bounds_give_rarely_verified_positions_the_benefit_of_the_doubt():
     positions better than the model says, as measured at one request on the bundled pair);
     verifying costs 12% of a step per position. Budgets chosen on point estimates stop
     where the prediction says and never learn otherwise (censoring): position 5 is
-    verified almost never, its survival stays at half the truth. Chosen on the upper
-    bounds, it is verified most steps, its factor is learned (within 15%), and more tokens
-    come out per unit of time (measured: 1.99 against 1.87 per step-time, over 4 seeds;
-    the best fixed budget gives 2.05). The bounds sit above the estimate and shrink with
-    evidence; the estimate itself (what is recorded) is not raised."""
+    verified almost never (in 3 of 4 seeds), its survival stays a third under the truth. Chosen
+    on the upper bounds (the default `confidence_z`), it is verified most steps, its shift is
+    learned (within 15%), and more tokens come out per unit of time (measured: 1.98 against
+    1.89 per step-time, over 4 seeds; the best fixed budget gives 2.05). The bounds sit above
+    the estimate and shrink with evidence; the estimate itself (what is recorded) is not raised."""
     from vllm_dflash.adaptive.calibration import SurvivalCorrection
     from vllm_dflash.adaptive.controller import best_budget
 
@@ -301,51 +301,50 @@ def test_upper_bounds_give_rarely_verified_positions_the_benefit_of_the_doubt():
         return tokens / seconds, verified[4], corr.apply(raw[None])[0][4] / truth[4], corr
 
     point = [run(0.0, seed) for seed in range(4)]
-    upper = [run(1.5, seed) for seed in range(4)]
-    assert max(p[1] for p in point) < 20 and min(u[1] for u in upper) > 300
+    upper = [run(SurvivalCorrection(k).confidence_z, seed) for seed in range(4)]
+    assert sorted(p[1] for p in point)[2] < 20 and min(u[1] for u in upper) > 300
     assert max(p[2] for p in point) < 0.75 and min(u[2] for u in upper) > 0.85
     assert np.mean([u[0] for u in upper]) > 1.03 * np.mean([p[0] for p in point])
     learned = upper[0][3]
-    assert np.all(learned.upper_factors() >= learned.factors())
+    assert np.all(learned.upper_shifts() >= learned.shifts())
     fresh = SurvivalCorrection(k)
-    gap_fresh = fresh.upper_factors() - fresh.factors()
-    gap_learned = learned.upper_factors() - learned.factors()
-    assert gap_learned[0] < 0.2 * gap_fresh[0]  # position 1, verified every step: a tight bound
+    gap_fresh = fresh.upper_shifts() - fresh.shifts()
+    gap_learned = learned.upper_shifts() - learned.shifts()
+    assert gap_learned[0] < 0.3 * gap_fresh[0]  # position 1, verified every step: a tight bound
     assert np.allclose(fresh.apply(raw[None])[0], raw)  # no evidence: the estimate is the raw survival
     assert np.all(fresh.apply(raw[None], optimistic=True)[0] > raw)
 
 
-def test_survival_correction_learns_what_the_cap_takes_back():
-    """Easy rows (truly 0.97 a position, predicted 0.93) and hard ones (truly 0.6,
-    predicted 0.45), half and half, every position verified. The pooled factor at
-    positions 1-2 is ~1.15, and on easy rows the cap at 1 takes it back: without the
-    gain, the survival handed out falls 0.03-0.04 short of the realised there
-    (measured, seed 0). With the gain learned from what was handed out, every position
-    is within 0.02 over the last 4800 rows (standard error of the realised rate <= 0.007)."""
+def test_survival_correction_is_calibrated_on_easy_and_hard_rows_at_once():
+    """Easy rows (truly 0.97 a position, predicted 0.93) and hard ones (truly 0.6, predicted
+    0.45), half and half, every position verified. A factor on survival (the rule before)
+    had to be capped at 1 and kept non-increasing, and on the easy rows the cap took back
+    what the pooled factor (~1.15 at positions 1-2) gave: 0.03-0.04 short of the realised
+    there. Shifting each conditional instead, the survival handed out over the last 4800
+    rows is within 0.02 of the realised at every position (measured: <= 0.005; standard
+    error of the realised rate <= 0.007), non-increasing and at most 1."""
     from vllm_dflash.adaptive.calibration import SurvivalCorrection
 
     k = 12
     pos = np.arange(1, k + 1)
     raw_rows = np.stack([0.93 ** pos, 0.45 ** pos])
     truth = np.array([0.97, 0.6])
-    errors = {}
-    for learn_gain in (False, True):
-        rng = np.random.default_rng(0)
-        corr = SurvivalCorrection(k)
-        handed, realised = [], []
-        for r in range(600):
-            kinds = np.arange(16) % 2
-            raw = raw_rows[kinds]
-            applied = corr.apply(raw)
-            accepted = np.minimum(rng.geometric(1 - truth[kinds]) - 1, k)
-            corr.update(raw, np.full(16, k), accepted, applied=applied if learn_gain else None)
-            if r >= 300:
-                handed.append(applied.mean(axis=0))
-                realised.append((pos[None, :] <= accepted[:, None]).mean(axis=0))
-        errors[learn_gain] = np.abs(np.mean(realised, axis=0) - np.mean(handed, axis=0))
-        assert np.all(np.diff(corr.apply(raw_rows), axis=1) <= 0) and corr.apply(raw_rows).max() <= 1.0
-    assert errors[False].max() > 0.025, errors[False]
-    assert errors[True].max() < 0.02, errors[True]
+    rng = np.random.default_rng(0)
+    corr = SurvivalCorrection(k)
+    handed, realised = [], []
+    for r in range(600):
+        kinds = np.arange(16) % 2
+        raw = raw_rows[kinds]
+        applied = corr.apply(raw)
+        accepted = np.minimum(rng.geometric(1 - truth[kinds]) - 1, k)
+        corr.update(raw, np.full(16, k), accepted)
+        if r >= 300:
+            handed.append(applied.mean(axis=0))
+            realised.append((pos[None, :] <= accepted[:, None]).mean(axis=0))
+    errors = np.abs(np.mean(realised, axis=0) - np.mean(handed, axis=0))
+    assert errors.max() < 0.02, errors
+    corrected = corr.apply(raw_rows)
+    assert np.all(np.diff(corrected, axis=1) <= 0) and corrected.max() <= 1.0
 
 
 def test_a_long_faded_request_row_is_left_out_within_a_thousandth():

@@ -31,7 +31,7 @@ def learned_spec(seed: int) -> AdaptiveSpeculation:
     accepted = np.minimum(rng.geometric(0.25, n) - 1, verified)
     c.acceptance.update(rng.integers(0, 2, n), feature, verified, accepted)
     raw = np.cumprod(rng.uniform(0.5, 1.0, (n, K)), axis=1)
-    spec.correction.update(raw, verified, accepted, applied=np.minimum(raw * 1.1, 1.0))
+    spec.correction.update(raw, verified, accepted)
     spec.offsets.update(["a", "b"], rng.uniform(0.2, 0.9, (2, K)), np.ones((2, K), bool), rng.random((2, K)) < 0.7)
     return spec
 

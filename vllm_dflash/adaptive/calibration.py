@@ -363,111 +363,115 @@ class SurvivalPrior:
         return out
 
 
+def conditionals_of(survival: np.ndarray) -> np.ndarray:
+    """[R, q] conditional acceptance of each position from survival [R, q] (the ratio to the
+    position before; 0 after a survival of 0)."""
+    survival = np.asarray(survival, dtype=np.float64)
+    before = np.concatenate([np.ones((survival.shape[0], 1)), survival[:, :-1]], axis=1)
+    return np.divide(survival, before, out=np.zeros_like(survival), where=before > 0)
+
+
 class SurvivalCorrection:
-    """Calibration in the large, per draft position: realised / predicted
-    survival over the positions actually verified, applied to every new
+    """Calibration in the large, per draft position: a shift of each position's conditional
+    acceptance on the logit scale, learned so that the survival handed out matches the
+    acceptance realised over the positions actually verified, applied to every new prediction.
+
+    The conditional model is calibrated per confidence bin, yet the survival that decides a
+    budget comes out biased: the controller verifies the positions whose estimates are highest
+    (winner's curse), deep positions are rarely verified (censored) and lean on the bins pooled
+    over positions, and a product of many slightly-off conditionals drifts. Measured on the
+    bundled pair (k = 15, one request): about 0.7 accepted tokens per step predicted that never
+    came with the first drafter; with the long-context one, deep positions realised 1.4x their
     prediction.
 
-    The conditional model is calibrated per confidence bin, yet the survival
-    that decides a budget comes out biased: the controller verifies the
-    positions whose estimates are highest (winner's curse), deep positions
-    are rarely verified (censored) and lean on the bins pooled over positions,
-    and a product of many slightly-off conditionals drifts. Measured on the
-    bundled pair (k = 15, one request): about 0.7 accepted tokens per step
-    predicted that never came with the first drafter; with the long-context
-    one, deep positions realised 1.4x their prediction. This factor is learned
-    from the very positions the decisions verify, so it removes the bias where
-    it costs. Each position's factor is shrunk toward the one before it (the
-    first toward 1) with `pseudo` expected acceptances' worth of weight: the
-    bias moves smoothly along a draft, so a deep position with little
-    evidence leans on its neighbour, and one with none takes it whole.
-    `memory` is in verified rows.
+    Why the conditional scale: a factor on survival had to be capped at 1 and kept
+    non-increasing along a draft, and where that bound it could not move what was handed out
+    (replaying 997 recorded greedy drafts of the bundled pair with budgets chosen as the engine
+    chooses them: 60-88% of the verified rows at positions 4-15 were bound, the factor's gain hit
+    its limit, and positions 12-13 stayed 0.06 under their realised rate, as in the bench). A
+    shifted conditional stays in (0, 1), so the survival, its product, is non-increasing and at
+    most 1 as it is, and every shift moves it: in the same replay every position came within
+    0.03 (`scripts/calibration_replay.py`).
 
-    Applying a factor is not linear: corrected survival is capped at 1 and kept
-    non-increasing along a draft, and where a deep position's factor exceeds
-    the one before it the cap takes back part of it (an easy row's survival is
-    already flat). Measured over a bench run: positions 7-15 realised 0.05-0.08
-    above the survival handed out. So a second factor per position, `gain`,
-    is learned from what `apply` actually handed out (`update(applied=...)`):
-    realised / handed-out over the same verified rows, the history rescaled
-    with each change of gain so that one bias is not counted twice.
+    Each update takes one Newton step per position on the batch's residual (realised minus
+    handed out, over the rows verified there), over the `information` the position has collected
+    (the derivative of the survival handed out with respect to its shift, summed over verified
+    rows, forgotten over `memory` rows) plus `pseudo` rows' worth of prior; a step is at most
+    `max_step`. A position never verified takes the shift of the one before it. (Each shift
+    defined as the one before plus an increment made a large correction at position 1 swing
+    every later one: they overshot by tens of logits and oscillated.)
     """
 
-    def __init__(self, num_positions: int, memory: float = 2000.0, pseudo: float = 5.0, confidence_z: float = 1.5,
-                 max_gain: float = 2.0):
-        self.predicted = np.zeros(num_positions)
-        self.realised = np.zeros(num_positions)
-        self.applied = np.zeros(num_positions)  # survival handed out (after correction), verified rows
-        self.gain = np.ones(num_positions)
+    def __init__(self, num_positions: int, memory: float = 2000.0, pseudo: float = 5.0, confidence_z: float = 1.0,
+                 max_step: float = 0.5):
+        if num_positions < 1 or memory <= 0 or pseudo <= 0 or confidence_z < 0 or max_step <= 0:
+            raise ValueError("SurvivalCorrection needs num_positions >= 1, memory > 0, pseudo > 0, "
+                             "confidence_z >= 0 and max_step > 0")
+        self.own = np.zeros(num_positions)  # each position's shift, learned from its own verified rows
+        self.information = np.zeros(num_positions)
         self.memory, self.pseudo, self.confidence_z = float(memory), float(pseudo), float(confidence_z)
-        self.max_gain = float(max_gain)
-        self._factors: np.ndarray | None = np.ones(num_positions)
-        self._upper: np.ndarray | None = None
+        self.max_step = float(max_step)
+        self._odds_scales: tuple[np.ndarray, np.ndarray] | None = None
         self._lists: tuple[list[float], list[float]] | None = None
 
-    def update(self, raw_survival: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray,
-               applied: np.ndarray | None = None) -> None:
-        """raw_survival [N, w] (before correction) of verified drafts, with their verified / accepted
-        counts; `applied` [N, w]: the corrected survival handed out for them (what `apply` gave)."""
+    def shifts(self) -> np.ndarray:
+        """[k] each position's logit shift (a position never verified: the one before it's)."""
+        out = self.own.copy()
+        for j in np.flatnonzero(self.information <= 0.0):
+            if j > 0:
+                out[j] = out[j - 1]
+        return out
+
+    def upper_shifts(self) -> np.ndarray:
+        """[k] an upper confidence bound of each shift: `confidence_z` standard errors above it,
+        1 / sqrt(information + pseudo). What decisions use (`apply(optimistic=True)`): a position
+        verified rarely cannot show that it is better than predicted, because the prediction keeps
+        it from being verified (censoring); the bound shrinks as it is verified. Measured at one
+        request on the bundled pair: positions 8-13 predicted 0.14-0.27, realised 0.5-0.75 the few
+        times they were verified, and fewer tokens per step than static k = 15."""
+        return self.shifts() + self.confidence_z / np.sqrt(self.information + self.pseudo)
+
+    def odds_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """(exp(-shift), exp(-upper shift)) per position: the factors on each conditional's
+        odds against (1 - p) / p. Made once per update; `few_requests` takes the same numbers
+        as lists, so both paths hand out the same survival to the last bit."""
+        if self._odds_scales is None:
+            self._odds_scales = (np.exp(-self.shifts()), np.exp(-self.upper_shifts()))
+        return self._odds_scales
+
+    def scale_lists(self) -> tuple[list[float], list[float]]:
+        """`odds_scales` as Python lists (`few_requests`), made once per update."""
+        if self._lists is None:
+            scales, upper = self.odds_scales()
+            self._lists = (scales.tolist(), upper.tolist())
+        return self._lists
+
+    def _corrected(self, conditional: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        c = np.minimum(np.maximum(conditional, 1e-6), 1 - 1e-6)
+        return 1.0 / (1.0 + (1.0 - c) / c * scales[None, : conditional.shape[1]])
+
+    def update(self, raw_survival: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
+        """raw_survival [N, w] (before correction) of verified drafts, with their verified / accepted counts."""
         raw_survival = np.asarray(raw_survival, dtype=np.float64)
         rows, width = raw_survival.shape
         if rows == 0 or width == 0:
             return
         pos = np.arange(width)[None, :]
         verified = pos < np.asarray(num_verified)[:, None]
-        decay = np.exp(-rows / self.memory)
-        self.predicted *= decay
-        self.realised *= decay
-        self.predicted[:width] += np.where(verified, raw_survival, 0.0).sum(axis=0)
-        self.realised[:width] += (pos < np.asarray(num_accepted)[:, None]).sum(axis=0)
-        if applied is not None:
-            self.applied *= decay
-            self.applied[:width] += np.where(verified, np.asarray(applied, dtype=np.float64), 0.0).sum(axis=0)
-            # The residual of the applied map, shrunk toward none with `pseudo` rows' worth of weight.
-            ratio = (self.realised + self.pseudo) / (self.applied + self.pseudo)
-            gain = np.clip(self.gain * ratio, 1.0 / self.max_gain, self.max_gain)
-            self.applied *= gain / self.gain  # as if handed out with the new gain
-            self.gain = gain
-        self._factors = self._upper = self._lists = None
-
-    def factor_lists(self) -> tuple[list[float], list[float]]:
-        """(factors, upper bounds) as Python lists (`few_requests`), made once per update."""
-        if self._lists is None:
-            self._lists = (self.factors().tolist(), self.upper_factors().tolist())
-        return self._lists
-
-    def factors(self) -> np.ndarray:
-        """[k] multiplicative factor per position (the gain included)."""
-        if self._factors is None:
-            out = np.empty_like(self.predicted)
-            prev = 1.0
-            for j, (realised, predicted) in enumerate(zip(self.realised.tolist(), self.predicted.tolist())):
-                prev = (realised + self.pseudo * prev) / (predicted + self.pseudo)
-                out[j] = prev
-            self._factors = out * self.gain
-        return self._factors
-
-    def upper_factors(self) -> np.ndarray:
-        """[k] an upper confidence bound of each factor: the factor plus `confidence_z`
-        standard errors of a realised/predicted count ratio, sqrt(factor / (predicted +
-        pseudo)). What decisions use (`apply(optimistic=True)`): a position verified
-        rarely cannot show that it is better than predicted, because the prediction
-        keeps it from being verified (censoring); the bound shrinks as it is verified.
-        Measured at one request on the bundled pair: positions 8-13 predicted 0.14-0.27,
-        realised 0.5-0.75 the few times they were verified, and fewer tokens per step
-        than static k = 15. Where verifying costs about as much per token as the step
-        yields (large batches), a survival below 1 never pays, raised or not."""
-        if self._upper is None:
-            factors = self.factors()
-            self._upper = factors + self.confidence_z * np.sqrt(factors / (self.predicted + self.pseudo))
-        return self._upper
+        q = self._corrected(conditionals_of(raw_survival), self.odds_scales()[0])
+        survival = np.cumprod(q, axis=1)
+        self.information *= math.exp(-rows / self.memory)
+        self.information[:width] += np.where(verified, survival * (1.0 - q), 0.0).sum(axis=0)
+        residual = np.where(verified, (pos < np.asarray(num_accepted)[:, None]) - survival, 0.0).sum(axis=0)
+        step = residual / (self.information[:width] + self.pseudo)
+        self.own[:width] += np.minimum(np.maximum(step, -self.max_step), self.max_step)
+        self._odds_scales = self._lists = None
 
     def apply(self, survival: np.ndarray, optimistic: bool = False) -> np.ndarray:
-        """Corrected survival [R, q]: scaled, at most 1, non-increasing along each draft
-        (`optimistic`: by the factors' upper bounds, for decisions)."""
+        """Corrected survival [R, q] of raw survival [R, q] (`optimistic`: at the shifts' upper
+        bounds, for decisions)."""
         survival = np.asarray(survival, dtype=np.float64)
         if survival.shape[1] == 0:
             return survival
-        factors = self.upper_factors() if optimistic else self.factors()
-        corrected = np.minimum(survival * factors[: survival.shape[1]], 1.0)
-        return np.minimum.accumulate(corrected, axis=1)
+        scales, upper = self.odds_scales()
+        return np.cumprod(self._corrected(conditionals_of(survival), upper if optimistic else scales), axis=1)

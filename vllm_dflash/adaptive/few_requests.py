@@ -22,14 +22,15 @@ MAX_PAIRS = 64
 
 
 def few_requests_choice(kinds: list[int], feature: list[list[float]], prior: list[list[float]], tables,
-                        num_bins: int, num_positions: int, shifts: list[float], factors: list[float],
+                        num_bins: int, num_positions: int, shifts: list[float], scales: list[float],
                         upper: list[float], useful: list[int] | None, step_seconds: list[float],
                         draft_seconds: float) -> tuple[list, list, list, list[int], float]:
     """(shared, raw, survival, budgets, expected accepted drafts) of one step's drafts.
 
     `tables`: the acceptance model's (alpha, beta) per cell as lists; `shifts`:
     each request's logit shift (all zero: none applied, as `RequestOffsets.apply`);
-    `factors` / `upper`: the correction's factors and upper bounds; `useful`: the
+    `scales` / `upper`: the correction's factors on each position's odds against, at its
+    shift and at the shift's upper bound (`SurvivalCorrection.scale_lists`); `useful`: the
     most drafts each request can still use (None: any); `step_seconds`: E over
     B = 0..R*q verified positions. The budgets are the best B's pairs, ranked by
     the corrected upper-bound survival (position order on ties)."""
@@ -42,7 +43,8 @@ def few_requests_choice(kinds: list[int], feature: list[list[float]], prior: lis
         scale = math.exp(-shifts[i]) if shifted else 1.0
         limit = len(row) if useful is None else useful[i]
         shared_row, raw_row, survival_row = [], [], []
-        # Corrected survival is capped at 1 and non-increasing: a running minimum from 1.
+        # Corrected survival: the product of the conditionals shifted by the correction, each
+        # conditional taken back from the raw product as `calibration.conditionals_of` does.
         product, kept, bound = 1.0, 1.0, 1.0
         for j, (f, p) in enumerate(zip(row, prior[i])):
             b = int(f * num_bins) if f == f else 0  # NaN: numpy's cast lands below 0, clipped to 0
@@ -52,14 +54,14 @@ def few_requests_choice(kinds: list[int], feature: list[list[float]], prior: lis
             if shifted:
                 c = 1e-6 if s < 1e-6 else 1 - 1e-6 if s > 1 - 1e-6 else s
                 s = 1.0 / (1.0 + (1.0 - c) / c * scale)
+            before = product
             product *= s
             raw_row.append(product)
-            x = product * factors[j]
-            if x < kept:
-                kept = x
-            x = product * upper[j]
-            if x < bound:
-                bound = x
+            c = product / before if before > 0 else 0.0
+            c = 1e-6 if c < 1e-6 else 1 - 1e-6 if c > 1 - 1e-6 else c
+            odds = (1.0 - c) / c
+            kept *= 1.0 / (1.0 + odds * scales[j])
+            bound *= 1.0 / (1.0 + odds * upper[j])
             survival_row.append(kept)
             flat.append(bound if j < limit else 0.0)
         shared.append(shared_row)

@@ -103,7 +103,7 @@ class AdaptiveSpeculation:
         self.speed = SpeedIndex()  # samples enter the cost curves in the units of a steady machine
         self.learn_every = learn_every
         self._handed: _Handed | None = None
-        self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted, raw, survival)
+        self._outcomes: list[tuple] = []  # (req_ids, kinds, feature, shared, verified, accepted, raw)
         self._drafted: list[tuple] = []  # (req_ids, kinds, survival), queued for the prior
         self._steps_since_learning = 0
         self._queued_rows = 0  # drafted rows and verified outcomes queued for learn()
@@ -376,8 +376,7 @@ class AdaptiveSpeculation:
                         accepted: np.ndarray) -> None:
         """Count the verified drafts `handed` (their rows, in order) in the statistics and queue them for learn()."""
         self.stats.record_outcomes(handed.survival, verified, accepted)
-        self._outcomes.append((req_ids, handed.kinds, handed.feature, handed.shared, verified, accepted, handed.raw,
-                               handed.survival))
+        self._outcomes.append((req_ids, handed.kinds, handed.feature, handed.shared, verified, accepted, handed.raw))
         self._queued_rows += len(req_ids)
 
     def learn(self) -> None:
@@ -392,8 +391,7 @@ class AdaptiveSpeculation:
             verified = np.concatenate([q[4] for q in queued])
             accepted = np.concatenate([q[5] for q in queued])
             self.controller.acceptance.update(kinds, feature, verified, accepted)
-            self.correction.update(_stack_padded([q[6] for q in queued], width), verified, accepted,
-                                   applied=_stack_padded([q[7] for q in queued], width))
+            self.correction.update(_stack_padded([q[6] for q in queued], width), verified, accepted)
             pos = np.arange(width)[None, :]
             self.offsets.update(req_ids, shared, pos < np.minimum(accepted + 1, verified)[:, None],
                                 pos < accepted[:, None])
@@ -444,10 +442,10 @@ class AdaptiveSpeculation:
         (`few_requests`)."""
         st, controller, acceptance = self._step, self.controller, self.controller.acceptance
         rows, width = feature.shape
-        factors, upper = self.correction.factor_lists()
+        scales, upper = self.correction.scale_lists()
         shared, raw, survival, budgets, expected = few_requests_choice(
             st.kinds.tolist(), feature.tolist(), np.asarray(prior).tolist(), acceptance.table_lists(),
-            acceptance.num_bins, acceptance.num_positions, self.offsets.shift_list(st.req_ids), factors, upper,
+            acceptance.num_bins, acceptance.num_positions, self.offsets.shift_list(st.req_ids), scales, upper,
             None if st.useful is None else st.useful.tolist(), controller.step_curve(rows, width).tolist(),
             now - st.t0)
         return self._hand_out(feature, np.array(shared), np.array(raw), np.array(survival),
