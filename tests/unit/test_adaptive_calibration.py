@@ -345,6 +345,8 @@ def test_survival_correction_is_calibrated_on_easy_and_hard_rows_at_once():
     assert errors.max() < 0.02, errors
     corrected = corr.apply(raw_rows)
     assert np.all(np.diff(corrected, axis=1) <= 0) and corrected.max() <= 1.0
+    estimate, bound = corr.estimate_and_bound(raw_rows)  # what choose() takes in one call
+    assert np.array_equal(estimate, corrected) and np.array_equal(bound, corr.apply(raw_rows, optimistic=True))
 
 
 def test_a_long_faded_request_row_is_left_out_within_a_thousandth():

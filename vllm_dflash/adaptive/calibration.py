@@ -40,10 +40,15 @@ GREEDY, SAMPLED = 0, 1
 KIND_NAMES = ("greedy", "sampled")
 
 
+def odds_against(p: np.ndarray) -> np.ndarray:
+    """(1 - p) / p of probabilities `p`, kept 1e-6 off 0 and 1 first."""
+    q = np.minimum(np.maximum(p, 1e-6), 1 - 1e-6)
+    return (1.0 - q) / q
+
+
 def logit_shifted(p: np.ndarray, shift) -> np.ndarray:
     """Probabilities `p` moved by `shift` on the logit scale (kept 1e-6 off 0 and 1 first)."""
-    q = np.minimum(np.maximum(p, 1e-6), 1 - 1e-6)
-    return 1.0 / (1.0 + (1.0 - q) / q * np.exp(-shift))
+    return 1.0 / (1.0 + odds_against(p) * np.exp(-shift))
 
 
 class AcceptanceModel:
@@ -446,9 +451,11 @@ class SurvivalCorrection:
             self._lists = (scales.tolist(), upper.tolist())
         return self._lists
 
-    def _corrected(self, conditional: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        c = np.minimum(np.maximum(conditional, 1e-6), 1 - 1e-6)
-        return 1.0 / (1.0 + (1.0 - c) / c * scales[None, : conditional.shape[1]])
+    @staticmethod
+    def _shifted(odds: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """Conditionals with odds against `odds` [R, q], shifted by the odds `scales` of `odds_scales`
+        (`logit_shifted` with exp(-shift) made once per update)."""
+        return 1.0 / (1.0 + odds * scales[None, : odds.shape[1]])
 
     def update(self, raw_survival: np.ndarray, num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """raw_survival [N, w] (before correction) of verified drafts, with their verified / accepted counts."""
@@ -458,7 +465,7 @@ class SurvivalCorrection:
             return
         pos = np.arange(width)[None, :]
         verified = pos < np.asarray(num_verified)[:, None]
-        q = self._corrected(conditionals_of(raw_survival), self.odds_scales()[0])
+        q = self._shifted(odds_against(conditionals_of(raw_survival)), self.odds_scales()[0])
         survival = np.cumprod(q, axis=1)
         self.information *= math.exp(-rows / self.memory)
         self.information[:width] += np.where(verified, survival * (1.0 - q), 0.0).sum(axis=0)
@@ -474,4 +481,14 @@ class SurvivalCorrection:
         if survival.shape[1] == 0:
             return survival
         scales, upper = self.odds_scales()
-        return np.cumprod(self._corrected(conditionals_of(survival), upper if optimistic else scales), axis=1)
+        return np.cumprod(self._shifted(odds_against(conditionals_of(survival)), upper if optimistic else scales),
+                          axis=1)
+
+    def estimate_and_bound(self, survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(apply(survival), apply(survival, optimistic=True)), the conditionals taken back once."""
+        survival = np.asarray(survival, dtype=np.float64)
+        if survival.shape[1] == 0:
+            return survival, survival
+        odds = odds_against(conditionals_of(survival))
+        scales, upper = self.odds_scales()
+        return np.cumprod(self._shifted(odds, scales), axis=1), np.cumprod(self._shifted(odds, upper), axis=1)

@@ -414,11 +414,10 @@ class AdaptiveSpeculation:
             return self._choose_few(now, feature, prior)
         shared = self.controller.acceptance.conditional(st.kinds, feature, prior)
         raw = np.cumprod(self.offsets.apply(st.req_ids, shared), axis=1)
-        survival = self.correction.apply(raw)
         # Budgets are chosen on the calibration's upper bounds (rarely verified positions get
         # the benefit of the doubt until they are measured); survival itself, the estimate,
         # is what is recorded, learned from and expected.
-        optimistic = self.correction.apply(raw, optimistic=True)
+        survival, optimistic = self.correction.estimate_and_bound(raw)
         planner = self.schedule or self.controller
         # Positions a request cannot use are worth nothing to the budget choice (a forced test
         # schedule keeps its own lengths); the models still learn from the drafts' survival.
