@@ -28,12 +28,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_dflash.adaptive.calibration import AcceptanceModel, RequestOffsets, SurvivalCorrection  # noqa: E402
+from vllm_dflash.adaptive.calibration import (GREEDY, KIND_NAMES, SAMPLED, AcceptanceModel,  # noqa: E402
+                                              RequestOffsets, SurvivalCorrection)
 from vllm_dflash.adaptive.controller import best_budget  # noqa: E402
 
 DRAFT_COST = 0.3  # a draft forward, in plain steps
 WARMUP_ROWS = 16  # rows verified at random first, as the controller's warm-up does
 EXPLORE_SHARE = 0.02  # then this share of rows verified at random (exploration)
+KINDS = dict(zip(KIND_NAMES, (GREEDY, SAMPLED)))  # the rows' request kinds by name
 
 
 def replay(rows: list, correction, verify_cost: float, k: int, seed: int = 0) -> dict:
@@ -100,6 +102,14 @@ def main() -> None:
     p.add_argument("--compare", default=None, help="a calibration.py whose SurvivalCorrection to replay as well")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    kind_names = args.kinds.split(",")
+    unknown = [name for name in kind_names if name not in KINDS]
+    if unknown:
+        p.error(f"--kinds={args.kinds}: {', '.join(unknown)} unknown; give a comma-separated subset of "
+                f"{','.join(KINDS)}")
+    if not os.path.isfile(args.rows):
+        p.error(f"rows file {args.rows!r} not found; record one with scripts/adaptive_features.py "
+                "(it writes OUT.rows.pkl)")
     with open(args.rows, "rb") as f:
         rows = pickle.load(f)
     if not rows:
@@ -108,8 +118,8 @@ def main() -> None:
     corrections = {"this tree": SurvivalCorrection}
     if args.compare:
         corrections[os.path.basename(args.compare)] = load_correction_class(args.compare)
-    for kind_name in args.kinds.split(","):
-        kind = {"greedy": 0, "sampled": 1}[kind_name]
+    for kind_name in kind_names:
+        kind = KINDS[kind_name]
         chosen = ordered([r for r in rows if r[0] == kind], args.order)
         for cost in args.verify_cost:
             for name, cls in corrections.items():

@@ -68,3 +68,15 @@ def test_the_command_line_replays_a_rows_file(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "greedy  requests verify cost 0.05" in run.stdout and "max |error|" in run.stdout
+
+
+def test_bad_arguments_name_the_argument_and_the_fix(tmp_path):
+    missing = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "none.pkl")], capture_output=True, text=True,
+                             timeout=300)
+    assert missing.returncode == 2 and "not found; record one with scripts/adaptive_features.py" in missing.stderr
+    path = tmp_path / "rows.pkl"
+    with open(path, "wb") as f:
+        pickle.dump(recorded_rows(10, 4, seed=2), f)
+    wrong = subprocess.run([sys.executable, SCRIPT, str(path), "--kinds", "greedy,beam"], capture_output=True,
+                           text=True, timeout=300)
+    assert wrong.returncode == 2 and "--kinds=greedy,beam: beam unknown" in wrong.stderr
