@@ -412,37 +412,6 @@ def test_a_drafting_run_ends_with_a_prompt_chunk_an_ineligible_request_or_moved_
     assert not begin(0.07, req_ids=("b", "a"))  # rows moved
 
 
-def test_the_query_block_stops_at_what_the_requests_can_still_use():
-    """The plan's q is at most the most drafts any eligible request can still turn into
-    output (a longer block's forward costs its length for nothing: budgets stop there);
-    none left anywhere: nothing is drafted. A drafting run whose q passes that ends at that
-    step, which drafts the shorter block; steps after it run again. A forced test schedule
-    keeps its lengths."""
-    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0)
-    full = np.array([K, K])
-
-    def begin(now, useful, eligible=(True, True)):
-        plan = spec.begin(now, ["a", "b"], full, full, 2 + 2 * K, np.ones(2, bool), np.array(eligible),
-                          useful=np.array(useful))
-        in_run = spec._step.in_run
-        feature = np.full((2, plan.q), 0.99)
-        budgets = spec.choose(now + 0.0005, feature, feature)
-        spec.end(now + 0.001)
-        return plan.q, in_run, budgets.tolist()
-
-    assert begin(0.01, [K, K]) == (K, True, [K, K])  # a drafting run
-    assert begin(0.02, [K, 1]) == (K, True, [K, 1])  # one request can use them all: the block stays
-    assert begin(0.03, [2, 1]) == (2, False, [2, 1])  # the run ends; the block is as long as the most usable
-    assert begin(0.04, [2, 1])[0] == 2  # planned again: still capped
-    assert begin(0.05, [3, K], eligible=(True, False))[0] == 3  # an ineligible request's room does not count
-    assert begin(0.06, [0, 0]) == (0, False, [0, 0])  # both one token from max_tokens: no draft forward
-    assert begin(0.07, [K, K])[0] == K
-    forced = AdaptiveSpeculation(K, 8, schedule="jump")
-    qs = [forced.begin(float(i), ["a", "b"], np.zeros(2, np.int64), np.zeros(2, np.int64), 2, np.ones(2, bool),
-                       np.ones(2, bool), useful=np.array([0, 0])).q for i in range(3)]
-    assert K in qs  # the forced schedule drafts its full blocks all the same
-
-
 def test_runs_cut_short_still_explore_at_the_planned_rate():
     """A run draws its probe or exploration once, for a step inside it: a run cut short
     drops the draw. 3000 steps, every other one a prompt chunk that ends the run, at a

@@ -149,19 +149,14 @@ class AdaptiveSpeculation:
         plain_decode = num_tokens == requests + int(num_verified.sum())  # no prompt chunk in the step
         steady_same = (self.schedule is None and req_ids == self._prev_req_list and self._prev_end is not None
                        and plain_decode and bool(eligible.all()))
-        useful = None if useful is None else np.asarray(useful, dtype=np.int64)
-        most = self._most_useful(useful, eligible)
-        # A drafting run whose q is more than these requests can still use ends here (the step plans).
-        cut = steady_same and self._run_left > 0 and most is not None and most < self._run_q
-        if not (steady_same and self._run_left > 0) or cut:
+        if not (steady_same and self._run_left > 0):
             self.fold_runs()
         self._observe(req_ids, num_verified, num_accepted)
         kinds = np.where(np.asarray(greedy, dtype=bool), GREEDY, SAMPLED)
-        if steady_same and not cut:
+        useful = None if useful is None else np.asarray(useful, dtype=np.int64)
+        if steady_same:
             if self._run_left == 0:
                 self._run_left, self._run_q = self.controller.steady_run(req_ids, RUN_STEPS, drafting=True)
-                if self._run_left > 0 and most is not None and most < self._run_q:
-                    self.fold_runs()  # (nothing logged yet: the run is dropped, and this step plans)
             if self._run_left > 0:
                 self._run_left -= 1
                 self._run_log.append([now, num_tokens, int(num_accepted.sum())])
@@ -179,23 +174,8 @@ class AdaptiveSpeculation:
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
             plan = Plan(0, plan.reason)
-        elif most is not None and plan.q > most:
-            plan = Plan(most, plan.reason)
         self._step = StepState(now, req_ids, kinds, eligible, plan, useful=useful)
         return plan
-
-    def _most_useful(self, useful: np.ndarray | None, eligible: np.ndarray) -> int | None:
-        """The most drafts any eligible request of the step can still turn into output: the
-        longest query block worth drafting (None: no limit, or a forced test schedule, whose
-        lengths are the point). The plan values a block on its positions' survival alone; near
-        their max_tokens requests can use only a few (budgets stop there), while a block's
-        forward costs what its length costs: at the end of each wave at 4 requests, where a
-        few requests finish one by one, blocks of 11-15 were drafted for requests with a
-        handful of tokens left, at 0.44 output tokens per ms against 0.83 without drafting
-        (bfloat16, bundled pair, Zen 4 EPYC). None left anywhere: nothing is drafted."""
-        if useful is None or self.schedule is not None or not useful.size:
-            return None
-        return int(useful[eligible].max()) if eligible.any() else 0
 
     def coast(self, now: float, req_ids: list[str], num_tokens: int) -> bool:
         """begin() for the commonest step where speculation does not pay: the same
