@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_dflash.adaptive.calibration import GREEDY
+from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED
 from vllm_dflash.adaptive.controller import (
     EXPLORE,
     LONGER_BLOCK_TOLERANCE,
@@ -259,6 +259,52 @@ def test_a_new_request_is_planned_for_its_own_prior_within_a_few_steps():
     give_history(c, ["rich"], high_survival())
     qs = [c.plan(["rich"], kinds).q for _ in range(c.refresh_steps // 4 + 1)]
     assert qs[0] == 0 and qs[-1] > 0, qs  # the old plan for a few steps, then its own
+
+
+def test_a_plan_for_requests_without_priors_of_their_own_carries_over_to_the_next_such_requests():
+    """Requests that never drafted are planned on their kinds' means alone (`_plan_basis`), so
+    a cached plan holds for the next such requests with the same mix of kinds: it is not redone
+    refresh_steps // 4 decisions after they arrive, and its interval keeps doubling. Requests
+    coming and going every few dozen steps had replanned every 16-32 steps (~1.2 ms each in the
+    engine). A request with a row of its own, a shift that lifts it, or another mix of kinds is
+    planned afresh, at once."""
+    c = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.0)
+    kinds = np.full(4, GREEDY)
+    stamps = set()
+    for wave in range(40):  # 320 decisions, a new set of requests every 8
+        ids = [f"w{wave}r{i}" for i in range(4)]
+        for _ in range(8):
+            assert c.plan(ids, kinds).q == 0
+            stamps.add(c._cache[4].stamp)
+        assert c._cache[4].req_ids == ids  # carried over: steady_run gives these the plan's interval
+        assert c.steady_run(ids, 100)[0] > 0 or c._decisions - c._cache[4].stamp >= c._cache[4].interval - 1
+    # replans at decisions 1, 17, 49, 113, 177, 241, 305: intervals 16, 32, then 4 x refresh_steps
+    assert sorted(stamps) == [1, 17, 49, 113, 177, 241, 305], sorted(stamps)
+    assert c._cache[4].interval == 4 * c.refresh_steps
+
+    def replanned_for(ids, kinds_now=kinds):
+        """Whether a plan of their own is made within refresh_steps // 4 decisions of theirs."""
+        before = c._cache[4].stamp
+        for _ in range(c.refresh_steps // 4):
+            c.plan(ids, kinds_now)
+        return c._cache[4].stamp != before
+
+    assert not replanned_for([f"x{i}" for i in range(4)])
+    give_history(c, ["own"], np.cumprod(np.full(K, 0.5)))  # drafted lately: its own row weighs in
+    assert replanned_for(["own", "y1", "y2", "y3"])
+    assert c._cache[4].basis is None  # a plan that rested on 'own' carries over to nobody
+    zs = ["z0", "z1", "z2", "z3"]
+    assert replanned_for(zs) and c._cache[4].req_ids == zs and c._cache[4].basis == (4, 0)
+    c.prior.forget([], steps=int(c.prior.fade_steps * 10))  # 'own' long gone
+    assert not replanned_for(["b0", "b1", "b2", "b3"])
+    c.request_shifts = lambda ids: np.array([0.5 if r == "easy" else -0.5 if r == "hard" else 0.0 for r in ids])
+    assert not replanned_for(["hard", "c1", "c2", "c3"])  # a shift below its kind's mean is not applied
+    assert replanned_for(["easy", "d1", "d2", "d3"])
+    c.request_shifts = None
+    assert replanned_for(["e0", "e1", "e2", "e3"])
+    mixed = np.array([GREEDY, GREEDY, GREEDY, SAMPLED])
+    assert replanned_for(["f0", "f1", "f2", "f3"], mixed)
+    assert not replanned_for(["g0", "g1", "g2", "g3"], mixed)
 
 
 def test_a_plan_of_no_draft_at_one_request_is_redone_as_its_request_row_fades():

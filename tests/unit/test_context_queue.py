@@ -126,6 +126,7 @@ def test_a_host_hold_of_a_decode_step_queues_what_hold_queues():
     quick, full = DeferredContext(max_rows=12, prefault=True), DeferredContext(max_rows=12, prefault=True)
     first = rows(3, 0, seed=1)
     blocks = [first.features[:, :2], first.features[:, 2:]]
+    assert not quick.room_on_host(3)
     assert not quick.hold_on_host(blocks, first.positions.numpy(), first.slots.numpy(), 3, ["a", "b", "c"])
     assert quick.rows == 0
     assert quick.hold(first, ["a", "b", "c"]) and full.hold(first, ["a", "b", "c"])
@@ -134,10 +135,12 @@ def test_a_host_hold_of_a_decode_step_queues_what_hold_queues():
         padded = torch.cat([r.features, torch.full((2, 6), 7.0)])  # the target ran 5 rows (GEMM grid)
         position_buffer = np.concatenate([r.positions.numpy(), [-1, -1]])
         slot_buffer = np.concatenate([r.slots.numpy(), [-1, -1]])
+        assert quick.room_on_host(3) and not quick.room_on_host(13 - 3 * step)
         assert quick.hold_on_host([padded[:, :4], padded[:, 4:]], position_buffer, slot_buffer, 3, ["a", "b", "c"])
         assert full.hold(r, ["a", "b", "c"])
     assert quick.rows == full.rows == 12
     extra = rows(1, 40, seed=9)
+    assert not quick.room_on_host(1)
     assert not quick.hold_on_host([extra.features], extra.positions.numpy(), extra.slots.numpy(), 1, ["a"])
     assert quick.rows == 12 and quick._owners == full._owners
     mine, theirs = quick.take(live={"a", "b"}), full.take(live={"a", "b"})

@@ -38,6 +38,8 @@ import numpy as np
 
 GREEDY, SAMPLED = 0, 1
 KIND_NAMES = ("greedy", "sampled")
+# A request's own survival row below this weight is left out of its prior (`SurvivalPrior.rows`).
+OWN_ROW_MIN_WEIGHT = 1e-3
 
 
 def odds_against(p: np.ndarray) -> np.ndarray:
@@ -304,9 +306,10 @@ class SurvivalPrior:
             for req_id in [r for r in self.last if r not in live]:
                 del self.last[req_id]
 
-    def fading(self, req_ids: list[str]) -> bool:
-        """Some request's own row still weighs in `rows` (more than 1% against the kind's mean)."""
-        horizon, last, step = self.fade_steps * math.log(100.0), self.last, self.step
+    def fading(self, req_ids: list[str], weight: float = 0.01) -> bool:
+        """Some request's own row still weighs more than `weight` in `rows` (against the kind's
+        mean; `rows` leaves out rows under OWN_ROW_MIN_WEIGHT)."""
+        horizon, last, step = self.fade_steps * math.log(1.0 / weight), self.last, self.step
         for req_id in req_ids:
             entry = last.get(req_id)
             if entry is not None and step - entry[1] < horizon:
@@ -357,7 +360,7 @@ class SurvivalPrior:
         if per_request and self.last:
             # A row older than this weighs under 1e-3: it is left out (at 64 requests, extending
             # every live request's long-faded row was most of a replan, ~1 ms of 1.6).
-            faded = self.fade_steps * math.log(1000.0)
+            faded = self.fade_steps * math.log(1.0 / OWN_ROW_MIN_WEIGHT)
             for i, req_id in enumerate(req_ids):
                 entry = self.last.get(req_id)
                 if entry is not None and self.step - entry[1] < faded:

@@ -171,6 +171,11 @@ class DeferredContext:
         self._owners.append((n, owners))
         return True
 
+    def room_on_host(self, n: int) -> bool:
+        """Whether `hold_on_host` of `n` rows would hold them now."""
+        host, end = self._host_index, self._rows + n
+        return host is not None and end <= self.max_rows and end <= host[0].shape[0]
+
     def hold_on_host(self, features: Sequence[torch.Tensor], positions: np.ndarray, slots: np.ndarray, n: int,
                      owners: list[str]) -> bool:
         """hold() of a plain-decode step's `n` rows into host buffers that have room for them
