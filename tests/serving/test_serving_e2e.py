@@ -131,24 +131,11 @@ class ProposalRecorder:
         self.original_unverified = getattr(drafter, "propose_unverified_step", None)
         if self.original_unverified is not None:
             drafter.propose_unverified_step = self.propose_unverified_step
-        self.quick_coasting_steps = 0  # of those, steps that continued a coasting run the quick way
-        original_quick = getattr(drafter, "_coast_on", None)
-        if original_quick is not None:
-            def counting_quick(*args):
-                drafts = original_quick(*args)
-                self.quick_coasting_steps += drafts is not None
-                return drafts
-
-            drafter._coast_on = counting_quick
-        self.run_opening_steps = 0  # of those, the first steps of coasting runs (DFlashProposer._coast_first)
-        original_first = getattr(drafter, "_coast_first", None)
-        if original_first is not None:
-            def counting_first(*args):
-                drafts = original_first(*args)
-                self.run_opening_steps += drafts is not None
-                return drafts
-
-            drafter._coast_first = counting_first
+        # Of those: steps that continued a coasting run the quick way (DFlashProposer._coast_on), and
+        # of these the first steps of runs (_coast_first).
+        self.quick_coasting_steps = self.run_opening_steps = 0
+        self._count_settled(drafter, "_coast_on", "quick_coasting_steps")
+        self._count_settled(drafter, "_coast_first", "run_opening_steps")
         # Per sampled step: None (plain step, vLLM's own sampler) or the longest draft verified.
         self.verified_spec_len: list[int | None] = []
         self.original_sample = runner._sample
@@ -182,6 +169,19 @@ class ProposalRecorder:
     def sample(self, logits, spec_decode_metadata):
         self.verified_spec_len.append(None if spec_decode_metadata is None else spec_decode_metadata.max_spec_len)
         return self.original_sample(logits, spec_decode_metadata)
+
+    def _count_settled(self, drafter, method: str, counter: str) -> None:
+        """Count in `counter` the calls of the drafter's `method` that settled the step (not None)."""
+        original = getattr(drafter, method, None)
+        if original is None:
+            return
+
+        def counting(*args):
+            drafts = original(*args)
+            setattr(self, counter, getattr(self, counter) + (drafts is not None))
+            return drafts
+
+        setattr(drafter, method, counting)
 
     def propose_unverified_step(self, runner, *args):
         drafts = self.original_unverified(runner, *args)
