@@ -266,8 +266,8 @@ def test_a_plan_for_requests_without_priors_of_their_own_carries_over_to_the_nex
     a cached plan holds for the next such requests with the same mix of kinds: it is not redone
     refresh_steps // 4 decisions after they arrive, and its interval keeps doubling. Requests
     coming and going every few dozen steps had replanned every 16-32 steps (~1.2 ms each in the
-    engine). A request with a row of its own, a shift that lifts it, or another mix of kinds is
-    planned afresh, at once."""
+    engine). Requests with a row of their own, a shift that lifts one of them, or another mix of
+    kinds get a plan of their own within refresh_steps // 4 decisions, as any other requests did."""
     c = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.0)
     kinds = np.full(4, GREEDY)
     stamps = set()

@@ -445,7 +445,7 @@ class BudgetController:
             q = best_draft if verdict > 0 else 0 if verdict < 0 else (
                 best_draft if scaled[best_draft] > scaled[0] else int(np.argmax(scaled)))
             switch = self.switch_cost(req_ids) if self.switch_cost is not None else (0.0, None)
-            basis = self._plan_basis(req_ids, kinds, sample is not None)
+            basis = self._plan_basis(req_ids, kinds, sample is not None, shifts)
             if q > 0 and not self.switch_pays(float(scaled[0]), float(scaled[q]), *switch):
                 q, basis = 0, None  # (the requests' own tokens left and held context decided)
             other_q = 0 if q > 0 else best_draft
@@ -486,12 +486,14 @@ class BudgetController:
             self._cache[requests] = entry
         return entry
 
-    def _plan_basis(self, req_ids: list[str], kinds: np.ndarray, sampled: bool | None = None) -> tuple[int, ...] | None:
+    def _plan_basis(self, req_ids: list[str], kinds: np.ndarray, sampled: bool | None = None,
+                    shifts: np.ndarray | None = None) -> tuple[int, ...] | None:
         """Requests per kind, when nothing else of `req_ids` goes into their plan: no request has
         a survival row of its own that `SurvivalPrior.rows` still weighs, nor a shift that lifts
         its kind's mean (or one request is planned on its kind's recent rows, `_sampled_rows`,
         `sampled`; None: look). Then the plan is the same for any requests with the same basis,
-        and a cached plan carries over to them, replanned on its own interval.
+        and a cached plan carries over to them, replanned on its own interval. `shifts`: the
+        requests' shifts where the caller already has them (None: asked here).
 
         Without it a new request restarted replanning from `refresh_steps` / 4: with requests
         coming and going every few dozen steps and never drafting, plans were redone every
@@ -507,7 +509,9 @@ class BudgetController:
             return basis
         if self.prior.fading(req_ids, weight=OWN_ROW_MIN_WEIGHT):
             return None
-        if self.request_shifts is not None and bool((self.request_shifts(req_ids) > 0.0).any()):
+        if shifts is None and self.request_shifts is not None:
+            shifts = self.request_shifts(req_ids)
+        if shifts is not None and bool((np.asarray(shifts) > 0.0).any()):
             return None
         return basis
 
