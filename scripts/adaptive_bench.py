@@ -7,10 +7,14 @@ Each round runs, for each dtype, `vllm-dflash bench --interleave` with every
 mode (none, static dflash at each --static-k, dflash-adaptive; the order
 rotates from round to round; a second engine without speculation, none-control,
 unless --no-control) into PREFIX-<dtype>-all-r<round>/: the engines
-are fresh each round and take turns cell by cell, so each ratio compares
-measurements seconds apart (this machine's speed drifts by tens of percent
-over minutes); --sequential runs one `vllm-dflash bench` per mode instead,
-into PREFIX-<dtype>-<mode>-r<round>/. The sweep covers every concurrency
+are fresh each round and take turns pass by pass (--repeats passes a cell),
+so each ratio compares measurements seconds apart. The speed of identical
+work drifts by +-10% over seconds on a shared machine (one engine repeating
+one cell: user CPU time 0.68-0.83 s, no page faults); two engines without
+speculation measured one whole cell each in turn differed by 4.9-7.9% (sd of
+the log ratio over 15 cells, --waves 3), with two alternating passes of
+--waves 2 each by 1.9-2.6% (Zen 4 EPYC, 2 cores). --sequential runs one
+`vllm-dflash bench` per mode instead, into PREFIX-<dtype>-<mode>-r<round>/. The sweep covers every concurrency
 with the code, math, prose and mixed categories. The summary (`vllm_dflash.bench.adaptive_report`: ratios within
 a round, median over rounds, PASS/FAIL per check) is printed and written to
 PREFIX-summary.json, PREFIX-summary.md and PREFIX-summary.png, with the
@@ -64,6 +68,7 @@ def run_round(args, rnd: int, bar) -> float:
             cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-dflash"), "bench", *flags,
                    "--dtype", dtype, "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
                    "--max-tokens", str(args.max_tokens), "--batching", args.batching, "--waves", str(args.waves),
+                   "--repeats", str(args.repeats),
                    "--mixed", "--threads", str(args.threads),
                    "--no-plots", "--out", out]
             bar.set_postfix_str(f"round {rnd} {dtype} {name}")
@@ -117,6 +122,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--waves", type=int, default=1, help="vllm-dflash bench --waves: at least this many times c "
                    "requests per in-flight cell")
+    p.add_argument("--repeats", type=int, default=2, help="vllm-dflash bench --repeats: timed passes per cell; the "
+                   "engines' passes alternate, which halved the spread of a cell's ratio between two engines "
+                   "without speculation (see the module docstring)")
     p.add_argument("--batching", choices=("in-flight", "waves"), default="in-flight",
                    help="vllm-dflash bench --batching: c requests in flight (default), or batches of c")
     p.add_argument("--no-control", dest="control", action="store_false",

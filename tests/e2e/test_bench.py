@@ -470,25 +470,29 @@ def test_bench_end_to_end(tmp_path):
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
 
 
-def test_interleaved_modes_take_turns_cell_by_cell(tmp_path):
-    """--interleave: both engines alive at once, each cell of one mode measured right after
-    the same cell of the other, never overlapping (vLLM's request timestamps are
-    CLOCK_MONOTONIC, comparable across processes); greedy outputs still match."""
+def test_interleaved_modes_take_turns_pass_by_pass(tmp_path):
+    """--interleave --repeats 2: both engines alive at once, each pass over a cell of one
+    mode measured right after the same pass of the other, never overlapping (vLLM's
+    request timestamps are CLOCK_MONOTONIC, comparable across processes); a cell pools
+    its two passes; greedy outputs still match."""
     out = tmp_path / "ilv"
     cmd = [sys.executable, "-m", "vllm_dflash.cli", "bench", "--target", TOY_TARGET, "--draft", TOY_DRAFT,
            "--modes", "none,dflash", "--num-spec-tokens", "3", "--concurrency", "1,2", "--num-prompts", "2",
            "--categories", "code,prose", "--max-tokens", "16", "--ignore-eos", "--threads", "1", "--dtype", "float32",
-           "--enforce-eager", "--interleave", "--no-plots", "--out", str(out)]
+           "--enforce-eager", "--interleave", "--repeats", "2", "--no-plots", "--out", str(out)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {}
     for mode in ("none", "dflash-k3"):
         result = json.loads((out / "specs" / f"{mode}.result.json").read_text())
-        runs[mode] = [(min(r["queued_ts"] for r in c["requests"]), max(r["last_token_ts"] for r in c["requests"]))
-                      for c in result["cells"]]
+        passes = []
+        for c in result["cells"]:
+            assert len(c["requests"]) == 4 and c["output_tokens"] == 4 * 16  # 2 prompts, 2 passes, pooled
+            passes += [c["requests"][:2], c["requests"][2:]]
+        runs[mode] = [(min(r["queued_ts"] for r in p), max(r["last_token_ts"] for r in p)) for p in passes]
     spans = [span for pair in zip(runs["none"], runs["dflash-k3"]) for span in pair]  # none, dflash, none, ...
-    assert len(spans) == 8
+    assert len(spans) == 16
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     doc = json.loads((out / "results.json").read_text())
     assert all(c["outputs_match_none"] == 1.0 for c in doc["results"] if c["mode"] == "dflash")

@@ -407,6 +407,30 @@ def test_an_exploration_of_a_no_draft_plan_is_priced_with_the_held_context_it_wr
     assert c._explore_probability(held) < c._explore_probability(plain)
 
 
+def test_an_exploration_is_priced_in_measured_seconds():
+    """Where cycles ran against the curves' forecast by factors (plain steps at half their
+    forecast, drafting ones at 1.5x), a plan without drafts prices its exploring step's longer
+    blocks in those measured seconds: 1.5 x full over 0.5 x the plan's step, and explores
+    less than the bare curves would have it."""
+    c = controller(lambda r, t: 1e-3 * r * t, lambda r, t: 2e-4 * t, max_explore_probability=0.05,
+                   explore_time_share=0.01)
+    ids = [f"r{i}" for i in range(16)]
+    give_history(c, ids, np.cumprod(np.full(K, 0.3)))
+    kinds = np.full(16, GREEDY)
+    c.plan(ids, kinds)
+    bare = c._cache[16]
+    assert bare.q == 0 and bare.factors == (1.0, 1.0)
+    assert bare.explore_cost == pytest.approx((bare.full_seconds - bare.seconds) / bare.seconds)
+    c.time_factors = lambda requests: (0.5, 1.5)
+    c._cache.clear()
+    c.plan(ids, kinds)
+    measured = c._cache[16]
+    assert measured.q == 0 and measured.factors == (0.5, 1.5)
+    assert measured.explore_cost == pytest.approx((1.5 * bare.full_seconds - 0.5 * bare.seconds)
+                                                  / (0.5 * bare.seconds))
+    assert c._explore_probability(measured) < c._explore_probability(bare) / 3
+
+
 def test_a_longer_block_that_costs_the_same_is_planned():
     """One request, drafting cost the same for any block (one query-block forward), the prior
     expecting the best budget well short of k: every block from that budget on has the same

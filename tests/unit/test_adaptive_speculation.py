@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from vllm_dflash.adaptive.calibration import GREEDY
-from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, PROBE, Plan
+from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, PROBE, UNMEASURED_MARGIN, Plan
 from vllm_dflash.adaptive import speculation
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
@@ -522,30 +524,32 @@ def test_a_size_never_measured_without_drafts_measures_that_first_then_drafts():
     assert plan.q > 0 and plan.reason != PROBE
 
 
-def _curves_say_drafting_costs_a_little_at_2() -> AdaptiveSpeculation:
+def _curves_say_drafting_costs_a_little_at_2(draft_seconds_per_token: float = 2e-3) -> AdaptiveSpeculation:
     """Warmed up, no exploration or probes, the step without drafts measured at 2 requests; curves
     there that put drafting behind not drafting (a verified token costs what a plain one does),
-    though a drafted block is best verified in part; drafting never measured."""
+    though a drafted block is best verified in part; drafting never measured. (A step without
+    drafts costs the proposer D(2, 1) = 2 ms; `draft_seconds_per_token` prices longer blocks.)"""
     spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0,
                                probe_probability=0.0)
     c = spec.controller
     for t in range(1, K + 2):
         c.step_cost.observe(2, t, 8e-3 * t)
-        c.draft_cost.observe(2, t, 2e-3 * t)
+        c.draft_cost.observe(2, t, (draft_seconds_per_token if t > 1 else 2e-3) * t)
     c._no_draft_seen.add(c._warmup_key(2))
     c.prior.record(["a", "b"], np.full(2, GREEDY), np.tile(np.cumprod(np.full(K, 0.95)), (2, 1)))
     return spec
 
 
-def _step_on_the_curves(spec, now: float, req_ids, verified, accepted) -> tuple:
+def _step_on_the_curves(spec, now: float, req_ids, verified, accepted, draft_seconds_per_token=2e-3) -> tuple:
     """One step timed as `_curves_say_drafting_costs_a_little_at_2` prices it: drafting
-    D(2, q + 1) = 2 ms x (q + 1), then the step outside drafting E(2, t) = 8 ms x t.
+    D(2, q + 1) = 2 ms x (q + 1) (`draft_seconds_per_token` where q > 0), then the step outside
+    drafting E(2, t) = 8 ms x t.
     Returns (plan, budgets, when the next step begins)."""
     n = len(req_ids)
     plan = spec.begin(now, req_ids, np.array(verified), np.array(accepted), n + sum(verified),
                       np.ones(n, dtype=bool), np.ones(n, dtype=bool))
     feature = np.full((n, plan.q), 0.99)
-    drafting = 2e-3 * (plan.q + 1)
+    drafting = (draft_seconds_per_token if plan.q else 2e-3) * (plan.q + 1)
     budgets = spec.choose(now + drafting / 2, feature, feature)
     spec.end(now + drafting)
     return plan, budgets, now + drafting + 8e-3 * (1 + budgets.sum() / n)
@@ -583,6 +587,26 @@ def test_a_size_never_measured_drafting_measures_that_first_then_the_arms_decide
         arms.observe(2, False, 10e-3, 2)
     plan, _, _ = _step_on_the_curves(measured, 0.0, ["a", "b"], [0, 0], [0, 0])
     assert plan.q == 0 and plan.reason != PROBE
+
+
+def test_a_size_whose_curves_put_drafting_far_behind_is_not_measured_drafting():
+    """The same size with drafting's curves 20x dearer: its best drafting plan is worth less than
+    e^-UNMEASURED_MARGIN of not drafting, no measuring run drafts there, and every step coasts;
+    at the cheaper curves above the gap is within the margin (that run happens)."""
+    close = _curves_say_drafting_costs_a_little_at_2()
+    _step_on_the_curves(close, 0.0, ["a", "b"], [0, 0], [0, 0])
+    assert close.controller._cache[2].other_ratio > math.exp(-UNMEASURED_MARGIN)
+    spec = _curves_say_drafting_costs_a_little_at_2(draft_seconds_per_token=40e-3)
+    c = spec.controller
+    now, plans = 0.0, []
+    for _ in range(c.first_draft_steps + 6):
+        plan, _, now = _step_on_the_curves(spec, now, ["a", "b"], [0, 0], [0, 0], draft_seconds_per_token=40e-3)
+        plans.append(plan)
+    entry = c._cache[2]
+    assert entry.q == 0 and entry.other_verifies and entry.verdict == 0
+    assert 0.0 < entry.other_ratio < math.exp(-UNMEASURED_MARGIN)
+    assert all(p.q == 0 and p.reason == OPTIMAL for p in plans), plans
+    assert c.arms.cycles(2, True) == 0
 
 
 def test_a_size_measured_without_drafts_drafts_at_once():

@@ -41,8 +41,9 @@ carried over from other sizes, and nothing would ever correct it. The other way
 round, at a batch size where drafting was never measured (its curves extrapolated
 from warm-up's few long blocks), the first plan not to draft, while the arms cannot
 tell, is preceded by a run of `first_draft_steps` drafting steps at the curves' best
-drafting q (`_drafting_unmeasured`): otherwise no drafting cost there is ever measured,
-and a size that was meant to draft never does.
+drafting q (`_drafting_unmeasured`), unless the curves put drafting far behind
+(`UNMEASURED_MARGIN`): otherwise no drafting cost there is ever measured, and a size
+that was meant to draft never does.
 
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
@@ -90,6 +91,13 @@ SAMPLED_PLAN_MIN_ROWS = 8
 # AVX-512 EPYC). Applied to every plan without drafts, one request whose plan was no draft kept it
 # for a whole request: static k = 15 at one request went from 1.02x to 0.89x (same machine).
 NO_DRAFT_REFRESH_FACTOR = 16
+# A size where drafting was never measured is measured first (`_drafting_unmeasured`) only while the
+# curves' best drafting plan is within this log-ratio of not drafting's value. The measured cycles
+# moved drafting's forecast by factors of 0.87-1.41 and a plain step's by 0.48-1.0 (float32, Zen 4
+# EPYC, 1-16 requests): a gap of e^0.5 = 1.65x is beyond what such errors close. Forced
+# regardless, the run at 8 and 16 requests (curves: drafting at 0.29x and 0.43x) cost its 7
+# drafting steps and the held context's write (19 ms at 16 requests) in the first cell there.
+UNMEASURED_MARGIN = 0.5
 
 
 class _CachedPlan(NamedTuple):
@@ -109,6 +117,7 @@ class _CachedPlan(NamedTuple):
     other_q: int  # the q of the arm it did not pick (0, or the best drafting q)
     probe: bool  # the curves see the arms close and the measured arms cannot yet tell
     other_verifies: bool  # other_q's best budget verifies something
+    other_ratio: float  # the value of other_q over the plan's (measured seconds)
     basis: tuple[int, ...] | None  # requests per kind, where that is all the plan rests on (`_plan_basis`)
 
 
@@ -307,8 +316,10 @@ class BudgetController:
         in 0-7% of steps in some runs and 63-95% in others, as early explorations happened to
         fall (float32, AVX-512 EPYC), where static k = 15 ran 1.06-1.19x of no speculation on
         prose. The run's cycles after the first reach the arms, whose verdict then decides.
-        (A plan without drafts always has a drafting q to compare, `other_q` >= 1.)"""
-        if self.first_draft_steps == 0 or not entry.other_verifies or entry.verdict != 0:
+        (A plan without drafts always has a drafting q to compare, `other_q` >= 1.) Nor where the
+        curves put drafting further behind than errors of their size close (`UNMEASURED_MARGIN`)."""
+        if (self.first_draft_steps == 0 or not entry.other_verifies or entry.verdict != 0
+                or not entry.other_ratio > math.exp(-UNMEASURED_MARGIN)):
             return False
         return self._first_at_knot(self._draft_seen, requests, drafted=True)
 
@@ -347,7 +358,8 @@ class BudgetController:
         return self._explore_probability(entry) / (1.0 + runs * (self.probe_steps - 1))
 
     def _exploration_cost(self, q: int, seconds: float, full_seconds: float, values: np.ndarray) -> float:
-        """What an exploring step costs, in planned steps: a longer block, at most full
+        """What an exploring step costs, in planned steps (`seconds`: the plan's cycle, `full_seconds`:
+        the costliest, both as measured cycles ran against the curves): a longer block, at most full
         blocks verified for everyone, costs their extra seconds; no draft (while drafting)
         costs the output it forgoes, 1 - its tokens per second / the plan's. Priced as
         full blocks, a plan already at full blocks looked free to explore, and explored at
@@ -472,17 +484,23 @@ class BudgetController:
                 # such rows nothing fades: at 4 requests coasting in bfloat16, replanning every 16 steps
                 # was 0.05 ms of a 1.6 ms step (AVX-512 EPYC).
                 interval = min(interval, max(1, int(self.prior.fade_steps * requests)))
-            explore_cost = self._exploration_cost(q, float(seconds[q]), full, scaled)
+            # Priced in measured seconds, as the plan's values are: the curves alone had a drafting
+            # step's seconds 1.34-1.41x short and a plain step's up to 2x long at 8-16 requests
+            # (float32, Zen 4 EPYC): priced on the curves, an exploration there cost up to ~3x its share.
+            planned_seconds = float(seconds[q]) * (no_draft if q == 0 else drafting)
+            explore_cost = self._exploration_cost(q, planned_seconds, full * drafting, scaled)
             if q == 0:  # an exploring step drafts, and first writes the held context
-                explore_cost += switch[0] / float(seconds[0])
+                explore_cost += switch[0] / planned_seconds
             if self.trace is not None:
                 self._replan = {"values": [round(float(v), 3) for v in scaled], "best_draft": best_draft,
                                 "planned_q": q, "verdict": verdict, "factors": [round(f, 4) for f in factors],
                                 "arms": [round(r, 1) for r in self.arms.rates(requests)],
                                 "arm_cycles": [round(self.arms.cycles(requests, d), 1) for d in (False, True)],
                                 "switch_seconds": round(switch[0], 6), "tokens_left": switch[1], "probe": probe}
+            other_ratio = float(scaled[other_q] / scaled[q]) if scaled[q] > 0 else math.inf
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, explore_cost, factors,
-                                interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]), basis)
+                                interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]), other_ratio,
+                                basis)
             self._cache[requests] = entry
         return entry
 

@@ -3,9 +3,10 @@
 On a shared or throttled machine the speed drifts by tens of percent over
 minutes, so modes measured one after the other (one engine per mode) compare
 machine states as much as modes. With --interleave, every mode's engine is
-started at once and they take turns cell by cell (one category at one
-concurrency): each cell of one mode is measured within seconds of the same
-cell of every other mode, and only one engine runs at a time.
+started at once and they take turns pass by pass (one timed pass over one
+category at one concurrency; --repeats passes make a cell): each pass of one
+mode is measured within seconds of the same pass of every other mode, and
+only one engine runs at a time.
 
 The turn is a number in a file of a folder the engines share: the engine
 whose index it holds runs one cell, then passes the turn on. Before the
