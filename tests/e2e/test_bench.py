@@ -496,3 +496,24 @@ def test_interleaved_modes_take_turns_pass_by_pass(tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     doc = json.loads((out / "results.json").read_text())
     assert all(c["outputs_match_none"] == 1.0 for c in doc["results"] if c["mode"] == "dflash")
+
+
+def test_in_flight_warm_up_holds_c_requests_so_no_timed_cell_warms_adaptive_up(tmp_path):
+    """--warmup with in-flight cells: at each concurrency the warm-up holds c requests in flight,
+    as the cells do, even with fewer prompts than c (4 here, c = 8). Adaptive speculation's
+    warm-up steps at that batch size fall in it, and no timed cell holds one. (One batch of the
+    4 prompts never reached 8 requests: the first cell at 8 took the size's warm-up steps.)"""
+    out = tmp_path / "warm"
+    cmd = [sys.executable, "-m", "vllm_dflash.cli", "bench", "--target", TOY_TARGET, "--draft", TOY_DRAFT,
+           "--modes", "dflash-adaptive", "--num-spec-tokens", "15", "--concurrency", "8", "--num-prompts", "2",
+           "--categories", "code,prose", "--max-tokens", "32", "--threads", "1", "--dtype", "float32",
+           "--enforce-eager", "--no-plots", "--out", str(out)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (spec_result,) = (out / "specs").glob("*.result.json")
+    cells = json.loads(spec_result.read_text())["cells"]
+    assert [c["category"] for c in cells] == ["code", "prose"]
+    for c in cells:
+        steps = c["adaptive"]["steps"]
+        assert sum(steps.values()) > 0 and steps["warmup"] == 0, (c["category"], steps)
