@@ -29,7 +29,7 @@ import pytest
 from limits import HANG_GUARD_S
 
 from vllm_dflash.bench import cli, metrics, prompts
-from vllm_dflash.bench.runner import batches_for, cycled, in_flight, mode_env, speculative_config
+from vllm_dflash.bench.runner import batches_for, cycled, in_flight, mode_env, speculative_config, warm_up_prompts
 from serving_pairs import TOY_DRAFT, TOY_TARGET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,6 +173,13 @@ def test_in_flight_cells_hold_at_least_waves_times_c_requests():
     assert cycled(ps, 2, waves=3) == [[1], [2], [3], [1], [2], [3]]
     assert cycled(ps, 4, waves=1) == [[1], [2], [3], [1]]
     assert cycled(ps, 1, waves=2) == [[1], [2], [3]]  # already two waves of one
+
+
+def test_in_flight_warm_up_holds_two_waves_of_c_requests():
+    ps = [[i] for i in range(48)]
+    assert warm_up_prompts(ps, 1) == [[0], [1]]
+    assert warm_up_prompts(ps, 16) == ps[:32]
+    assert warm_up_prompts(ps, 64) == ps + ps + ps[:32]
 
 
 def test_in_flight_caps_the_scheduler_and_restores_it():

@@ -84,10 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "probabilistic). Default: each proposer's own default")
     g.add_argument("--max-tokens", type=int, default=96)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    g.add_argument("--warmup", type=int, default=1, help="untimed warm-ups per engine before measuring: at each concurrency c, "
-                   "2c requests with c in flight (--batching in-flight) or one batch of c")
-    g.add_argument("--repeats", type=int, default=1, help="timed passes over each category's prompts (with --interleave the "
-                   "engines' passes alternate: a slow phase of the machine falls on all of them)")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="untimed warm-ups per engine before measuring: at each concurrency c, 2c requests with c "
+                        "in flight (--batching in-flight) or one batch of c")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="timed passes over each category's prompts (with --interleave the engines' passes "
+                        "alternate: a slow phase of the machine falls on all of them)")
     g.add_argument("--seed", type=int, default=0)
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max tokens + k")

@@ -91,6 +91,12 @@ def digest(token_ids: list[int]) -> str:
 WARMUP_WAVES = 2  # in-flight warm-up: 2c requests, c at a time (`run`)
 
 
+def warm_up_prompts(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """An in-flight warm-up's requests at `concurrency` c: WARMUP_WAVES x c of `prompts`, cycled
+    where there are fewer (all of them at every c would be ~50 requests at c = 1)."""
+    return cycled(prompts[:WARMUP_WAVES * concurrency], concurrency, WARMUP_WAVES)
+
+
 def cycled(prompts: list[list[int]], concurrency: int, waves: int = 1) -> list[list[int]]:
     """The prompts repeated in order up to the next multiple of `concurrency`, and to at
     least `waves` times it."""
@@ -188,7 +194,7 @@ def run(spec: dict) -> dict:
     def counters() -> SpecCounters:
         return SpecCounters.from_metrics(llm.get_metrics())
 
-    turns = Turns(**spec["turns"]) if spec.get("turns") else None  # --interleave: engines take turns per cell
+    turns = Turns(**spec["turns"]) if spec.get("turns") else None  # --interleave: engines take turns per pass
     if turns is not None:
         turns.ready()
     turn = turns.turn if turns is not None else contextlib.nullcontext
@@ -206,7 +212,7 @@ def run(spec: dict) -> dict:
         for _ in range(spec["warmup"]):
             for c in concurrency:
                 if in_flight_cells:
-                    batch = cycled(all_prompts, c, WARMUP_WAVES)
+                    batch = warm_up_prompts(all_prompts, c)
                     with in_flight(llm, c) if len(batch) > c else contextlib.nullcontext():
                         generate(batch)
                 else:
