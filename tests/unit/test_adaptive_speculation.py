@@ -595,7 +595,7 @@ def test_a_size_whose_curves_put_drafting_far_behind_is_not_measured_drafting():
     at the cheaper curves above the gap is within the margin (that run happens)."""
     close = _curves_say_drafting_costs_a_little_at_2()
     _step_on_the_curves(close, 0.0, ["a", "b"], [0, 0], [0, 0])
-    assert close.controller._cache[2].other_ratio > math.exp(-UNMEASURED_MARGIN)
+    assert close.controller._cache[2].draft_ratio > math.exp(-UNMEASURED_MARGIN)
     spec = _curves_say_drafting_costs_a_little_at_2(draft_seconds_per_token=40e-3)
     c = spec.controller
     now, plans = 0.0, []
@@ -604,7 +604,7 @@ def test_a_size_whose_curves_put_drafting_far_behind_is_not_measured_drafting():
         plans.append(plan)
     entry = c._cache[2]
     assert entry.q == 0 and entry.other_verifies and entry.verdict == 0
-    assert 0.0 < entry.other_ratio < math.exp(-UNMEASURED_MARGIN)
+    assert 0.0 < entry.draft_ratio < math.exp(-UNMEASURED_MARGIN)
     assert all(p.q == 0 and p.reason == OPTIMAL for p in plans), plans
     assert c.arms.cycles(2, True) == 0
 

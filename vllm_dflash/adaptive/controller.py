@@ -117,7 +117,7 @@ class _CachedPlan(NamedTuple):
     other_q: int  # the q of the arm it did not pick (0, or the best drafting q)
     probe: bool  # the curves see the arms close and the measured arms cannot yet tell
     other_verifies: bool  # other_q's best budget verifies something
-    other_ratio: float  # the value of other_q over the plan's (measured seconds)
+    draft_ratio: float  # the best drafting q's value over not drafting's (measured seconds)
     basis: tuple[int, ...] | None  # requests per kind, where that is all the plan rests on (`_plan_basis`)
 
 
@@ -319,7 +319,7 @@ class BudgetController:
         (A plan without drafts always has a drafting q to compare, `other_q` >= 1.) Nor where the
         curves put drafting further behind than errors of their size close (`UNMEASURED_MARGIN`)."""
         if (self.first_draft_steps == 0 or not entry.other_verifies or entry.verdict != 0
-                or not entry.other_ratio > math.exp(-UNMEASURED_MARGIN)):
+                or not entry.draft_ratio > math.exp(-UNMEASURED_MARGIN)):
             return False
         return self._first_at_knot(self._draft_seen, requests, drafted=True)
 
@@ -497,9 +497,8 @@ class BudgetController:
                                 "arms": [round(r, 1) for r in self.arms.rates(requests)],
                                 "arm_cycles": [round(self.arms.cycles(requests, d), 1) for d in (False, True)],
                                 "switch_seconds": round(switch[0], 6), "tokens_left": switch[1], "probe": probe}
-            other_ratio = float(scaled[other_q] / scaled[q]) if scaled[q] > 0 else math.inf
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, explore_cost, factors,
-                                interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]), other_ratio,
+                                interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]), ratio,
                                 basis)
             self._cache[requests] = entry
         return entry

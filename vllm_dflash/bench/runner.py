@@ -187,9 +187,11 @@ def run(spec: dict) -> dict:
                               ignore_eos=spec["ignore_eos"], detokenize=False,
                               seed=None if spec["temperature"] == 0 else spec["seed"] + next(request_index))
 
-    def generate(batch: list[list[int]]):
+    def generate(batch: list[list[int]], concurrency: int):
+        """`batch`, at most `concurrency` requests in flight at a time."""
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
-        return llm.generate(prompts, [params() for _ in batch], use_tqdm=False)
+        with in_flight(llm, concurrency) if len(batch) > concurrency else contextlib.nullcontext():
+            return llm.generate(prompts, [params() for _ in batch], use_tqdm=False)
 
     def counters() -> SpecCounters:
         return SpecCounters.from_metrics(llm.get_metrics())
@@ -211,19 +213,14 @@ def run(spec: dict) -> dict:
         # against 0.96x for the others at 8-64 requests (96 cells, Zen 4 EPYC, runs/s1222).
         for _ in range(spec["warmup"]):
             for c in concurrency:
-                if in_flight_cells:
-                    batch = warm_up_prompts(all_prompts, c)
-                    with in_flight(llm, c) if len(batch) > c else contextlib.nullcontext():
-                        generate(batch)
-                else:
-                    generate(batches_for(all_prompts, c)[0])
+                generate(warm_up_prompts(all_prompts, c) if in_flight_cells else batches_for(all_prompts, c)[0], c)
 
     cells = []
     total = len(spec["prompts"]) * len(concurrency) * spec["repeats"]
     bar = tqdm(total=total, desc=f"{spec['mode']} k={spec.get('num_spec_tokens')}", file=sys.stderr)
     for category, prompts in spec["prompts"].items():
         for c in concurrency:
-            if spec.get("batching", BATCHING[0]) == "in-flight":
+            if in_flight_cells:
                 batches = [cycled(prompts, c, spec.get("waves", 1))]  # one call; c at a time
             else:
                 batches = batches_for(prompts, c)
@@ -243,8 +240,7 @@ def run(spec: dict) -> dict:
                         adaptive0 = adaptive.stats.snapshot() if adaptive is not None else None
                     for batch in batches:
                         t = time.perf_counter()
-                        with in_flight(llm, c) if len(batch) > c else contextlib.nullcontext():
-                            outs = generate(batch)
+                        outs = generate(batch, c)
                         cell["wall_s"] += time.perf_counter() - t
                         for o in outs:
                             ids = list(o.outputs[0].token_ids)
