@@ -36,6 +36,7 @@ from vllm_server import running
 K = 4
 MAX_TOKENS = 40
 NUM_PROMPTS = 6
+MAX_METRICS_ROUNDS = 3
 
 pytestmark = pytest.mark.vllm
 
@@ -121,16 +122,25 @@ def test_metrics_endpoint_counts_dflash_steps(servers):
     before, ours_before = spec_metrics_from_prometheus(text), adaptive_per_pos_from_prometheus(text)
     client = server.client()
     usages = []
-    for prompt in completion_prompts(4):  # one request at a time
-        r = client.completions.create(model="toy", prompt=prompt, temperature=0.0, max_tokens=32,
-                                      extra_body={"ignore_eos": True})
-        usages.append(r.usage.completion_tokens)
-    text = server.metrics_text()
-    m = delta(spec_metrics_from_prometheus(text), before)
+    # One request at a time, in rounds of 4 until some step drafted (at most MAX_METRICS_ROUNDS):
+    # the cost-driven plan may keep drafting off for a stretch after a noisy measurement (two
+    # servers share two cores here), and in one clean-clone run 4 requests of 32 tokens had not
+    # drafted once, while drafting here runs ~1.3-2.5x the tokens per second of not drafting.
+    prompts = completion_prompts(4 * MAX_METRICS_ROUNDS)
+    for round_start in range(0, len(prompts), 4):
+        for prompt in prompts[round_start:round_start + 4]:
+            r = client.completions.create(model="toy", prompt=prompt, temperature=0.0, max_tokens=32,
+                                          extra_body={"ignore_eos": True})
+            usages.append(r.usage.completion_tokens)
+        text = server.metrics_text()
+        m = delta(spec_metrics_from_prometheus(text), before)
+        if m["vllm:spec_decode_num_drafts"] > 0:
+            break
     ours = {f: [a - b for a, b in zip(v, ours_before[f])] for f, v in adaptive_per_pos_from_prometheus(text).items()}
-    assert usages == [32] * 4
+    assert usages == [32] * len(usages)
     tau = check_spec_metrics(m, K, fixed_length=False)
-    print(f"\n/metrics after 4 completions of 32 tokens: {m}, mean acceptance length {tau:.3f}; adaptive: {ours}")
+    print(f"\n/metrics after {len(usages)} completions of 32 tokens: {m}, mean acceptance length {tau:.3f}; "
+          f"adaptive: {ours}")
     # Tokens after each request's first come from engine steps: one per step (a step
     # with drafts counts as a draft) plus the accepted ones, minus what max_tokens cut
     # from the last step; adaptive speculation may also run steps without drafts.

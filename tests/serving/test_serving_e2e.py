@@ -140,8 +140,9 @@ class ProposalRecorder:
         self.verified_spec_len: list[int | None] = []
         self.original_sample = runner._sample
         runner._sample = self.sample
-        # Per target pass: (scheduled tokens, requests, tokens the pass ran with, padding included).
-        self.target_rows: list[tuple[int, int, int]] = []
+        # Per target pass: (scheduled tokens, requests, tokens the pass ran with, padding included,
+        # whether the step verifies drafts).
+        self.target_rows: list[tuple[int, int, int, bool]] = []
         self.original_padding = runner._determine_batch_execution_and_padding
         runner._determine_batch_execution_and_padding = self.padding
         # Per context K/V projection: (context rows, rows its GEMMs ran with).
@@ -163,7 +164,7 @@ class ProposalRecorder:
 
     def padding(self, num_tokens, num_reqs, *args, **kwargs):
         result = self.original_padding(num_tokens, num_reqs, *args, **kwargs)
-        self.target_rows.append((num_tokens, num_reqs, result[1].num_tokens))
+        self.target_rows.append((num_tokens, num_reqs, result[1].num_tokens, self.runner._dflash_verifies_drafts))
         return result
 
     def sample(self, logits, spec_decode_metadata):
@@ -539,9 +540,10 @@ def test_adaptive_drafts_equal_reference_after_steps_without_drafting(models, ba
 
 
 def test_target_passes_with_drafts_run_on_the_gemm_row_grid(plugin, adaptive):
-    """Where vLLM's CPU GEMMs make a kernel per row count (oneDNN), every target pass that is not
-    plain decode (verify steps, prompt chunks) runs padded to serving.gemm_rows' grid, plain
-    decode runs unpadded, and the outputs stay those of no speculation (the tests above)."""
+    """Where vLLM's CPU GEMMs make a kernel per row count (oneDNN), every target pass that verifies
+    drafts and is not plain decode runs padded to serving.gemm_rows' grid; plain decode and steps
+    that verify nothing (prompt chunks beside decodes, adaptive steps without drafts) run unpadded,
+    as without speculation; the outputs stay those of no speculation (the tests above)."""
     from vllm_dflash.serving import gemm_rows
 
     runs = [*((f"k={k}", r) for k, r in plugin.items()), *adaptive.items()]
@@ -549,14 +551,16 @@ def test_target_passes_with_drafts_run_on_the_gemm_row_grid(plugin, adaptive):
         pytest.skip("this machine's CPU linears are torch's own (no kernels per row count): nothing is padded")
     for name, run in runs:
         limit = min(run["gemm_row_limit"], run["max_num_tokens"])
-        padded = 0
-        for tokens, reqs, ran in run["target_rows"]:
-            if tokens == reqs:
-                assert ran == tokens, (name, tokens, ran)
+        padded = plain_chunks = 0
+        for tokens, reqs, ran, verifies in run["target_rows"]:
+            if tokens == reqs or not verifies:
+                assert ran == tokens, (name, tokens, reqs, ran, verifies)
+                plain_chunks += tokens != reqs and gemm_rows.padded_rows(tokens, limit) > tokens
             else:
                 assert ran == gemm_rows.padded_rows(tokens, limit), (name, tokens, reqs, ran)
                 padded += ran > tokens
         assert padded >= 5, (name, padded)
+        assert plain_chunks >= 1, (name, "no prompt-chunk step off the grid was seen: the check above saw none")
         # the context K/V projections (float32 here: the model's own GEMMs) pad the same way
         context = run["context_rows"]
         assert context and all(ran == gemm_rows.padded_rows(rows, run["gemm_row_limit"]) for rows, ran in context), name
