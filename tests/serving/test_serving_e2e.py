@@ -142,7 +142,7 @@ class ProposalRecorder:
         runner._sample = self.sample
         # Per target pass: (scheduled tokens, requests, tokens the pass ran with, padding included,
         # whether the step verifies drafts).
-        self.target_rows: list[tuple[int, int, int, bool]] = []
+        self.target_rows: list[tuple[int, int, int, bool | None]] = []
         self.original_padding = runner._determine_batch_execution_and_padding
         runner._determine_batch_execution_and_padding = self.padding
         # Per context K/V projection: (context rows, rows its GEMMs ran with).
@@ -164,7 +164,9 @@ class ProposalRecorder:
 
     def padding(self, num_tokens, num_reqs, *args, **kwargs):
         result = self.original_padding(num_tokens, num_reqs, *args, **kwargs)
-        self.target_rows.append((num_tokens, num_reqs, result[1].num_tokens, self.runner._dflash_verifies_drafts))
+        # (set by the plugin's _prepare_inputs wrap; vLLM's in-tree proposer runs without it)
+        verifies = getattr(self.runner, "_dflash_verifies_drafts", None)
+        self.target_rows.append((num_tokens, num_reqs, result[1].num_tokens, verifies))
         return result
 
     def sample(self, logits, spec_decode_metadata):
@@ -549,6 +551,7 @@ def test_target_passes_with_drafts_run_on_the_gemm_row_grid(plugin, adaptive):
     runs = [*((f"k={k}", r) for k, r in plugin.items()), *adaptive.items()]
     if not runs[0][1]["shape_compiled_linears"]:
         pytest.skip("this machine's CPU linears are torch's own (no kernels per row count): nothing is padded")
+    padded_context = 0
     for name, run in runs:
         limit = min(run["gemm_row_limit"], run["max_num_tokens"])
         padded = plain_chunks = 0
@@ -564,7 +567,9 @@ def test_target_passes_with_drafts_run_on_the_gemm_row_grid(plugin, adaptive):
         # the context K/V projections (float32 here: the model's own GEMMs) pad the same way
         context = run["context_rows"]
         assert context and all(ran == gemm_rows.padded_rows(rows, run["gemm_row_limit"]) for rows, ran in context), name
-        assert sum(ran > rows for rows, ran in context) >= 5, name
+        assert any(ran > rows for rows, ran in context), name
+        padded_context += sum(ran > rows for rows, ran in context)
+    assert padded_context >= 5, padded_context
 
 
 def test_steps_without_drafts_run_plain(plugin, adaptive):
