@@ -475,15 +475,23 @@ def test_draft_tokens_equal_reference(models, baseline, plugin, k):
 
 
 def test_draft_tokens_equal_in_tree_dflash(baseline, plugin, in_tree):
-    """Same weights, same batches: the plugin proposes exactly vLLM's in-tree drafts."""
+    """Same weights, same prefixes: the plugin proposes exactly vLLM's in-tree drafts.
+
+    Compared per (request, bonus position), not call by call: vLLM keeps K input slots per request
+    out of the token budget for its in-tree DFlash and none for ours (register:
+    SpeculativeConfig.max_num_new_slots_for_drafting), so prompts are chunked differently and the
+    calls hold different batches; a draft depends only on its request's prefix."""
     assert in_tree["drafter"] == "vllm.v1.spec_decode.dflash.DFlashProposer"
     ours = plugin[ORACLE_K]
     assert in_tree["batch8"] == baseline["batch8"]
     theirs_calls = [{int(i): (p, d) for i, (p, d) in call.items()} for call in in_tree["proposals_batch8"]]
     ours_calls = [{int(i): (p, list(d)) for i, (p, d) in call.items()} for call in ours["proposals_batch8"]]
-    assert len(ours_calls) == len(theirs_calls)
-    for step, (a, b) in enumerate(zip(ours_calls, theirs_calls)):
-        assert a == b, f"propose call {step} differs"
+    theirs = {(i, p): d for call in theirs_calls for i, (p, d) in call.items()}
+    mine = {(i, p): d for call in ours_calls for i, (p, d) in call.items()}
+    common = sorted(theirs.keys() & mine.keys())
+    assert len(common) >= max(20, len(theirs) // 2), (len(common), len(theirs), len(mine))
+    bad = [(key, mine[key], theirs[key]) for key in common if mine[key] != theirs[key]]
+    assert not bad, f"{len(bad)}/{len(common)} drafts differ, first: {bad[:3]}"
     prompts, _, _ = workload()
     assert sum(n >= 2 for n in accepted_lengths(ours_calls, prompts, baseline["batch8"])) >= 5
 
