@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm_dflash.patches.internal import VllmInternal, wrap_once
+from vllm_dflash.patches.internal import MARK, VllmInternal, wrap_once
 
 # The runner's drafter protocol, as vLLM's generic proposer implements it (named, never imported by the
 # plugin: its module imports the in-tree DFlash model; serving.drafter_base implements it for ours).
@@ -160,8 +160,6 @@ def _pad_target_rows_to_the_gemm_grid() -> None:
 
 def _no_query_block_slots_in_the_token_budget() -> None:
     from vllm.config.speculative import SpeculativeConfig
-
-    from vllm_dflash.patches.internal import MARK
 
     original = SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"]
     if getattr(original.fget, MARK, False):
