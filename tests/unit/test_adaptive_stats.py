@@ -15,7 +15,7 @@ def test_counters_and_calibration_rows():
     s.record_step(0, 5, "optimal")  # a coasting step: five requests, no budgets
     s.record_outcomes(np.array([[0.9, 0.5, 0.0, 0.0], [0.8, 0.6, 0.4, 0.2]]), np.array([2, 4]), np.array([1, 3]))
     snap = s.snapshot()
-    assert snap["steps"] == {"optimal": 2, "warmup": 1, "explore": 0, "probe": 0, "forced": 0}
+    assert snap["steps"] == {"optimal": 2, "warmup": 1, "explore": 0, "probe": 0, "forced": 0, "off": 0}
     assert snap["query_hist"] == [2, 0, 0, 0, 1] and snap["budget_hist"] == [9, 0, 1, 0, 1]
     assert snap["verified_per_pos"] == [2, 2, 1, 1] and snap["accepted_per_pos"] == [2, 1, 1, 0]
     rows = st.calibration(snap)

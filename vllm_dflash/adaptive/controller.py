@@ -45,6 +45,11 @@ drafting q (`_drafting_unmeasured`), unless the curves put drafting far behind
 (`UNMEASURED_MARGIN`): otherwise no drafting cost there is ever measured, and a size
 that was meant to draft never does.
 
+Above all of this, the policy itself is measured (`epochs`): epochs of steps
+at one batch size run either as planned here or without drafting, and where
+not drafting delivers more tokens per wall second, most epochs there plan
+nothing (reason `off`) without consulting the curves.
+
 Estimates only stay right if their inputs cover the whole range: the first
 `warmup_steps` decisions (then `knot_warmup_steps` at each further batch
 size the cost model keeps a knot for, unless measured sizes on both sides
@@ -70,9 +75,11 @@ import numpy as np
 from vllm_dflash.adaptive.calibration import KIND_NAMES, OWN_ROW_MIN_WEIGHT, AcceptanceModel, SurvivalPrior
 from vllm_dflash.adaptive.cost_model import StepCost, nearest_knot
 from vllm_dflash.adaptive.drain import DrainLoss
+from vllm_dflash.adaptive.epochs import OFF, PolicyEpochs
 from vllm_dflash.adaptive.realized import ArmRates, RealizedRatio
 
 OPTIMAL, WARMUP, EXPLORE, PROBE, FORCED = "optimal", "warmup", "explore", "probe", "forced"
+OFF_EPOCH = "off"  # a step of an epoch run without drafting (`epochs.PolicyEpochs`)
 CALM = "calm"  # a step a run's draw decided: no probe, no exploration (`run_cut_short`)
 # A longer query block whose plan value is this close to the best one's is preferred (`longest_near_best`).
 # A plan values each q on the mean prior survival; the budgets then follow each draft's own, and a
@@ -191,6 +198,8 @@ class BudgetController:
         self.realized = RealizedRatio(self._knots)
         self.arms = ArmRates(self._knots)
         self.drain = DrainLoss(self._knots, no_draft_share=max_explore_probability)
+        self.epochs = PolicyEpochs(self.rng)
+        self.epochs.cycle_advantage = self._cycle_advantage
         self._decisions = 0
         # EXPLORE / PROBE drawn by steady_run(), or CALM (`run_cut_short`): plan() carries it out
         self._explore_next: str | None = None
@@ -206,6 +215,14 @@ class BudgetController:
         self._replan: dict | None = None  # what the last replan saw, for the trace
 
     # ------------------------------------------------------------- planning --
+
+    def _cycle_advantage(self, requests: int) -> float:
+        """The measured arms' drafting tokens per second over not drafting's at this batch size
+        (1 until both have `ArmRates.min_cycles` cycles)."""
+        if min(self.arms.cycles(requests, False), self.arms.cycles(requests, True)) < self.arms.min_cycles:
+            return 1.0
+        no_draft, drafting = self.arms.rates(requests)
+        return drafting / no_draft if no_draft > 0 else 1.0
 
     def _warmup_key(self, requests: int) -> int:
         """Warm-up is counted per batch-size knot of the cost model (the nearest one)."""
@@ -251,6 +268,7 @@ class BudgetController:
         if requests == 0:
             return Plan(0, OPTIMAL)
         if self.in_warmup(requests):
+            self.epochs.abort()  # warm-up's random plans are neither policy
             key = self._warmup_key(requests)
             self._warmup_done[key] = self._warmup_done.get(key, 0) + 1
             self._warmup_total += 1
@@ -259,6 +277,9 @@ class BudgetController:
             u = self.rng.random()
             q = self.max_k if u < 0.5 else 0 if u < 0.7 else int(self.rng.integers(0, self.max_k + 1))
             return Plan(q, WARMUP)
+        if self.epochs.policy(requests) == OFF:
+            self._other_left, self._explore_next = 0, None  # a probe or exploration run ends here
+            return Plan(0, OFF_EPOCH)
         entry = self._planned(req_ids, kinds)
         q = entry.q
         plan = Plan(q, OPTIMAL)
@@ -386,9 +407,13 @@ class BudgetController:
         same plan every step, the steps until the first one are geometric, and a run
         that ends before it draws afresh (memoryless), so the chance per step is what
         drawing every step would give. A run that ends early drops its draw (`run_cut_short`)."""
+        requests = len(req_ids)
+        epoch_left = self.epochs.steps_left(requests)  # a run stays within its epoch, of one policy
+        if self.epochs.off_now and not self.in_warmup(requests):  # (warm-up is planned step by step)
+            return (0, 0) if drafting else (min(most, epoch_left), 0)
         if self._explore_next is not None:  # drawn by the last run (or calm): carried out by plan()
             return 0, 0
-        requests = len(req_ids)
+        most = min(most, epoch_left)
         entry = self._cache.get(requests)
         if (entry is None or (entry.q > 0) != drafting
                 or self._factors_moved(entry.factors, self.time_factors(requests))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, SurvivalCorrection
-from vllm_dflash.adaptive.controller import (EXPLORE, FORCED, OPTIMAL, PROBE, BudgetController, ForcedSchedule,
+from vllm_dflash.adaptive.controller import (EXPLORE, FORCED, OFF_EPOCH, OPTIMAL, PROBE, BudgetController, ForcedSchedule,
                                              Plan)
 from vllm_dflash.adaptive.few_requests import MAX_PAIRS, few_requests_choice
 from vllm_dflash.adaptive.realized import NEW_TEXT_KEEP, SpeedIndex
@@ -220,7 +220,8 @@ class AdaptiveSpeculation:
         """end() of a step coast() took at `start`: counted in the statistics now (metrics and
         bench cells read them while the engine idles), its time samples logged for `fold_runs`."""
         requests = len(self._prev_req_list)
-        self.stats.record_no_drafts(requests, OPTIMAL if self.schedule is None else FORCED)
+        self.stats.record_no_drafts(requests, FORCED if self.schedule is not None
+                                    else OFF_EPOCH if self.controller.epochs.off_now else OPTIMAL)
         self._run_log.append([start, requests, 0, now, not_drafting, 0, 0.0])
 
     def fold_runs(self) -> None:
@@ -342,9 +343,11 @@ class AdaptiveSpeculation:
             forecast = self.controller.step_seconds(requests, num_tokens) * max(1.0, num_tokens / widest)
             if forecast <= 0 or self._prev_end is None or now - self._prev_end > 3.0 * forecast:
                 drain.end_period()
+                self.controller.epochs.abort()
                 return
         drafted = self._prev_cycle is not None and self._prev_cycle[0] > 0
         drain.step(requests, drafted, now - last, requests + accepted)
+        self.controller.epochs.step(requests, drafted, now - last, requests + accepted)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
@@ -479,7 +482,7 @@ class AdaptiveSpeculation:
             return
         requests = len(st.req_ids)
         parts = (0.0, 0.0)
-        if requests and st.plan.reason in (OPTIMAL, EXPLORE, PROBE):  # forced and warm-up plans: no forecast
+        if requests and st.plan.reason in (OPTIMAL, EXPLORE, PROBE, OFF_EPOCH):  # forced, warm-up: no forecast
             parts = self.controller.forecast_parts(requests, st.plan.q, int(st.budgets.sum()))
         self._close_cycle(st.t0, now, not_drafting, requests, st.plan.q, parts, st.expected_accepted)
         self.stats.record_step(st.plan.q, st.budgets[st.eligible] if st.budgets.size else

@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-REASONS = ("optimal", "warmup", "explore", "probe", "forced")
-_MAGIC, _VERSION = 0x44464C41, 1.0  # "DFLA"
+REASONS = ("optimal", "warmup", "explore", "probe", "forced", "off")
+_MAGIC, _VERSION = 0x44464C41, 2.0  # "DFLA"; 2: the "off" reason
 _HEADER = 3  # magic, version, k
 
 

@@ -426,7 +426,7 @@ def adaptive_table(cells: list[dict], markdown: bool = False) -> str:
     """What adaptive speculation decided (all categories pooled): share of steps that
     drafted, mean drafted q, mean verify budget per request, decision kinds, and the
     largest per-position gap between predicted and realised acceptance."""
-    head = ["mode", "k", "conc", "steps", "drafting %", "mean q", "mean budget", "warmup/explore/probe",
+    head = ["mode", "k", "conc", "steps", "drafting %", "mean q", "mean budget", "warmup/explore/probe/off",
             "calib max err"]
     label = _labeller(cells)
     rows = []
@@ -437,7 +437,7 @@ def adaptive_table(cells: list[dict], markdown: bool = False) -> str:
         reasons = a["reasons"]
         rows.append([label(c), _fmt(c["num_spec_tokens"], "d"), str(c["concurrency"]), str(a["steps"]),
                      _fmt(100 * a["drafting_share"], ".0f"), _fmt(a["mean_query"]), _fmt(a["mean_budget"]),
-                     f"{reasons.get('warmup', 0)}/{reasons.get('explore', 0)}/{reasons.get('probe', 0)}", _fmt(a["calibration_max_error"], ".3f")])
+                     "/".join(str(reasons.get(r, 0)) for r in ("warmup", "explore", "probe", "off")), _fmt(a["calibration_max_error"], ".3f")])
     if not rows:
         return ""
     return _render(head, rows, markdown)

@@ -164,7 +164,8 @@ class DFlashProposer(DrafterBase):
         trace = envs.VLLM_DFLASH_ADAPTIVE_TRACE
         if trace:
             try:
-                adaptive.controller.trace = PlanTrace(trace if tp_rank == 0 else f"{trace}.rank{tp_rank}")
+                adaptive.controller.trace = adaptive.controller.epochs.trace = PlanTrace(
+                    trace if tp_rank == 0 else f"{trace}.rank{tp_rank}")
             except OSError as error:
                 raise ValueError(f"VLLM_DFLASH_ADAPTIVE_TRACE={trace!r} cannot be opened for appending ({error}); "
                                  "give a writable file path, or unset it") from error
