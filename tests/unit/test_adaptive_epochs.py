@@ -112,3 +112,23 @@ def test_controller_does_not_draft_in_an_off_epoch():
     # A coasting run may cover the rest of the epoch and no more; a drafting run none of it.
     assert controller.steady_run(req_ids, most=64) == (controller.epochs.epoch_steps - 5, 0)
     assert controller.steady_run(req_ids, most=64, drafting=True) == (0, 0)
+
+
+def test_trials_follow_the_measured_lead_while_undecided():
+    """Undecided (the verdict forced to 0): OFF epochs at 1/4 while OFF's rate leads, 1/8 while
+    ADAPTIVE's leads by under `clear_advantage`, 1/32 beyond it. 800 draws each: the three
+    shares' binomial sds are 0.015, 0.012 and 0.006; every bound is over 3 sds from its share."""
+    shares = []
+    for rate_a in (900.0, 1100.0, 1500.0):
+        epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
+        epochs._sums[8] = [[16.0, 16 * math.log(rate_a), 16 * math.log(rate_a) ** 2],
+                           [16.0, 16 * math.log(1000.0), 16 * math.log(1000.0) ** 2]]
+        epochs.verdict = lambda requests: 0
+        drawn = []
+        for _ in range(800):
+            epochs._open(8)
+            drawn.append(epochs._policy)
+        shares.append(drawn.count(OFF) / len(drawn))
+    assert 0.20 <= shares[0] <= 0.30
+    assert 0.085 <= shares[1] <= 0.165
+    assert shares[2] <= 0.06
