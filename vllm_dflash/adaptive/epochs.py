@@ -142,7 +142,8 @@ class PolicyEpochs:
         sums[policy] = [n * keep + 1.0, s * keep + x, s2 * keep + x * x]
         self.epochs_closed[policy] += 1
         if self.trace is not None:
-            self.trace({"epoch": POLICY_NAMES[policy], "requests": requests, "tok_s": round(self._tokens / self._seconds, 1),
+            self.trace({"epoch": POLICY_NAMES[policy], "requests": requests,
+                        "tok_s": round(self._tokens / self._seconds, 1),
                         "drafting_steps": self._drafted, "verdict": self.verdict(requests),
                         "rates": [round(r, 1) for r in self.rates(requests)]})
 
