@@ -48,6 +48,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from vllm_dflash.adaptive.realized import difference_variance
+
 ADAPTIVE, OFF = 0, 1
 POLICY_NAMES = ("adaptive", "off")
 
@@ -166,10 +168,7 @@ class PolicyEpochs:
         if not self._both_measured(requests):
             return 0
         sums = self._sums[requests]
-        spread = 0.0
-        for n, s, s2 in sums:
-            mean = s / n
-            spread += max(s2 / n - mean * mean, self.noise_floor ** 2) / n
+        spread = difference_variance(sums, self.noise_floor)
         (na, sa, _), (no, so, _) = sums
         difference = sa / na - so / no
         if difference > self.z * math.sqrt(spread):

@@ -116,6 +116,17 @@ class RealizedRatio:
             kind[2], kind[3], kind[4] = kind[2] * keep, kind[3] * keep, kind[4] * keep
 
 
+def difference_variance(moments, noise_floor: float) -> float:
+    """The squared standard error of the difference of two forgetting means of log rates, from
+    each one's (weight, sum, sum of squares), each variance at least `noise_floor` squared
+    (`ArmRates` per cycle, `epochs.PolicyEpochs` per epoch)."""
+    spread = 0.0
+    for weight, log_rate, log_rate_sq in moments:
+        mean = log_rate / weight
+        spread += max(log_rate_sq / weight - mean * mean, noise_floor ** 2) / weight
+    return spread
+
+
 class SpeedIndex:
     """How fast the machine runs now against the cost curves, as one factor on seconds.
 
@@ -253,10 +264,7 @@ class ArmRates:
         arms = self._sums[knot]
         if min(self._measured[knot]) < self.min_cycles - 1e-9:
             return 0
-        spread = 0.0
-        for tokens, seconds, weight, log_rate, log_rate_sq in arms:
-            mean = log_rate / weight
-            spread += max(log_rate_sq / weight - mean * mean, self.noise_floor ** 2) / weight
+        spread = difference_variance([arm[2:] for arm in arms], self.noise_floor)
         (t0, s0, *_), (t1, s1, *_) = arms
         difference = math.log(t1 / s1) - math.log(t0 / s0) + math.log(drafting_scale)
         if difference > self.z * math.sqrt(spread):
