@@ -16,9 +16,10 @@ Servers: tests/serving/conftest.py (the toy pair, float32). Traffic: tests/traff
   server log.
 * Bad input: every bad request gets a 4xx whose message names the problem,
   within a bounded time, and the server keeps serving.
-* Preemption: the same kind of load on the tiny-KV, small-budget DFlash server
-  (preemption and recompute forced, counted in /metrics) keeps greedy outputs
-  exact.
+* Preemption: the same kind of load on the tiny-KV, small-budget DFlash server,
+  then a burst of long greedy answers that cannot all fit its KV cache
+  (preemption and recompute forced whatever the drafts, counted in /metrics),
+  keeps greedy outputs exact.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from traffic import (
     LOGPROBS,
     STOP,
     TO_MAX_LEN_NEW_TOKENS,
+    Request,
     build_mix,
     completion_prompts,
     long_prompt_ids,
     run_load,
     without_cancel,
 )
-from vllm_server import SERVED_NAME, SMALL_MAX_MODEL_LEN, gauge
+from vllm_server import SERVED_NAME, SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS, SMALL_MAX_MODEL_LEN, gauge
 
 pytestmark = [pytest.mark.vllm, pytest.mark.load]
 
@@ -54,6 +56,28 @@ REQUEST_TIMEOUT_S = 600
 def mix(num_requests: int, max_model_len: int):
     return build_mix(num_requests, toy_prompts(16), completion_prompts(16), long_prompt_ids(max_model_len),
                      max_model_len)
+
+
+BURST_REQUESTS = 8  # the tiny-KV server's --max-num-seqs: all run at once
+BURST_PROMPT_LEN = 32
+BURST_NEW_TOKENS = 256
+
+
+def preempt_burst() -> list[Request]:
+    """Long greedy answers that cannot all fit the tiny KV cache, whatever the drafts.
+
+    Eight requests of 32 + 256 tokens need 72 blocks of 32 against 24, and all
+    eight are admitted at once (their prompts fit): decoding must preempt. The
+    mix alone preempts only when drafts reserve enough slots, which the
+    adaptive policy decides from timing."""
+    need = BURST_REQUESTS * -(-(BURST_PROMPT_LEN + BURST_NEW_TOKENS) // SMALL_KV_BLOCK_SIZE)
+    assert need > 2 * SMALL_KV_BLOCKS and BURST_PROMPT_LEN + BURST_NEW_TOKENS <= SMALL_MAX_MODEL_LEN
+    ids = long_prompt_ids(BURST_PROMPT_LEN + BURST_REQUESTS)
+    return [Request(1000 + i, "greedy_long", "completion",
+                    {"model": SERVED_NAME, "prompt": ids[i:i + BURST_PROMPT_LEN], "max_tokens": BURST_NEW_TOKENS,
+                     "temperature": 0.0, "ignore_eos": True, "stream": True,
+                     "stream_options": {"include_usage": True}})
+            for i in range(BURST_REQUESTS)]
 
 
 def probes():
@@ -108,6 +132,7 @@ def preempt_load(toy_servers):
     metrics_before = server.metrics_text()
     start = time.monotonic()
     results = run_load(server.url, requests, CONCURRENCY, REQUEST_TIMEOUT_S)
+    results += run_load(server.url, preempt_burst(), BURST_REQUESTS, REQUEST_TIMEOUT_S)
     wall = time.monotonic() - start
     idle = wait_idle(server)
     out = {"results": results, "idle": idle, "wall_s": wall, "metrics_before": metrics_before,
@@ -121,7 +146,7 @@ def references(toy_servers):
     """Greedy answers of the no-speculation server to every greedy request of both mixes and the probes."""
     greedy = [r for r in without_cancel(mix(NUM_REQUESTS, DEFAULT_MAX_MODEL_LEN) + mix(NUM_PREEMPT_REQUESTS,
                                                                                          SMALL_MAX_MODEL_LEN))
-              if r.greedy] + probes()
+              if r.greedy] + probes() + preempt_burst()
     unique = list({key(r): r for r in greedy}.values())
     results = run_load(toy_servers["plain"].url, unique, 16, REQUEST_TIMEOUT_S)
     failed = [(r.request.kind, r.status, r.error) for r in results if not r.complete]
