@@ -62,7 +62,7 @@ def test_clear_cycle_advantage_skips_trials():
     for advantage in (1.6, 1.0):
         epochs = PolicyEpochs(np.random.default_rng(0))
         epochs.cycle_advantage = lambda requests, a=advantage: a
-        counts.append(simulate(epochs, {ADAPTIVE: 1000.0, OFF: 1000.0}, 32 * 48).count(OFF))
+        counts.append(simulate(epochs, {ADAPTIVE: 1000.0, OFF: 1000.0}, epochs.epoch_steps * 48).count(OFF))
     assert counts[0] <= 5 and counts[1] >= 6
 
 
@@ -117,14 +117,15 @@ def test_controller_does_not_draft_in_an_off_epoch():
 
 
 def test_trials_follow_the_measured_lead_while_undecided():
-    """Undecided (the verdict forced to 0): OFF epochs at 1/4 while OFF's rate leads, 1/8 while
-    ADAPTIVE's leads by under `clear_advantage`, 1/32 beyond it. 800 draws each: the three
-    shares' binomial sds are 0.015, 0.012 and 0.006; every bound is over 3 sds from its share."""
+    """Undecided (the verdict forced to 0): OFF epochs at 1/4 while OFF is unmeasured, 1/2 while
+    OFF's rate leads, 1/8 while ADAPTIVE's leads by under `clear_advantage`, 1/32 beyond it.
+    800 draws each: the shares' binomial sds are 0.015, 0.018, 0.012 and 0.006; every bound is
+    over 3 sds from its share."""
     shares = []
-    for rate_a in (900.0, 1100.0, 1500.0):
+    for rate_a, off_epochs in ((1000.0, 0.0), (900.0, 16.0), (1100.0, 16.0), (1500.0, 16.0)):
         epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
         epochs._sums[8] = [[16.0, 16 * math.log(rate_a), 16 * math.log(rate_a) ** 2],
-                           [16.0, 16 * math.log(1000.0), 16 * math.log(1000.0) ** 2]]
+                           [off_epochs, off_epochs * math.log(1000.0), off_epochs * math.log(1000.0) ** 2]]
         epochs.verdict = lambda requests: 0
         drawn = []
         for _ in range(800):
@@ -132,5 +133,19 @@ def test_trials_follow_the_measured_lead_while_undecided():
             drawn.append(epochs._policy)
         shares.append(drawn.count(OFF) / len(drawn))
     assert 0.20 <= shares[0] <= 0.30
-    assert 0.085 <= shares[1] <= 0.165
-    assert shares[2] <= 0.06
+    assert 0.44 <= shares[1] <= 0.56
+    assert 0.085 <= shares[2] <= 0.165
+    assert shares[3] <= 0.06
+
+
+def test_prompt_steps_count_in_the_epoch_but_not_in_its_rate():
+    """An epoch of 12 plain steps at 1000 tok/s and 4 prompt steps ten times as long closes
+    after its 16 steps at exactly 1000 tok/s (with the prompt steps in its rate: 571)."""
+    traced = []
+    epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=16)
+    epochs.trace = traced.append
+    epochs.policy(8)
+    for i in range(16):
+        prompt = i % 4 == 3
+        epochs.step(8, True, 0.08 if prompt else 0.008, 8, plain=not prompt)
+    assert len(traced) == 1 and traced[0]["tok_s"] == pytest.approx(1000.0)

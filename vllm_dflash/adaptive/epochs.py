@@ -30,12 +30,22 @@ epochs' rates follow the text (ADAPTIVE epochs at 190-720 tok/s in one
 bfloat16 run against OFF ones at 150-430), so the verdict came and went, and
 with a quarter of epochs off while undecided one bfloat16 round ran 35% of
 its one-request steps off: 1.29x of no speculation where the round before this
-module ran 1.67x. So an undecided batch size is tried off at the full
-`trial_share` only while OFF's measured rate is ahead or unmeasured, at half
-of it while ADAPTIVE's is ahead, and at the `confirmed_share` once ADAPTIVE's
+module ran 1.67x. So an undecided batch size is tried off at `trial_share`
+while either rate is unmeasured, at `off_lead_share` while OFF's measured rate
+is ahead, at half of `trial_share` while ADAPTIVE's is ahead, and at the
+`confirmed_share` once ADAPTIVE's
 epochs or the cycles' own arms (`cycle_advantage`, the controller's
 `ArmRates`) put it more than `clear_advantage` ahead: the bias traced above
 had drafting cycles 1.12-1.14x ahead where the policy lost 9-14%.
+Where drafting about breaks even (4 requests in the 3-round bench of
+cc87fb2: 13-20 epochs of 32 steps per engine, the verdict reached in 2 of 6,
+drafting in 27-52% of steps at 0.87-0.96x of no speculation), the trials are
+what decides: so epochs are 16 steps (twice the samples, `memory` doubled to
+keep the same stretch of steps), trials run at half the epochs while OFF
+leads, and a step that prefilled a prompt chunk counts in its epoch's length
+but not in its rate: a prompt costs the same under either policy per token it
+leads to, and its step, several decode steps long, is noise the verdict would
+have to average out.
 Draws come from the controller's generator: decisions stay deterministic for
 a seed. Nothing here is a per-machine constant: the rates are measured on the
 running engine.
@@ -59,17 +69,20 @@ class PolicyEpochs:
     forgetting sums of each policy's per-epoch log rate. `step` takes every step in order;
     `policy` says which policy the epoch holding the coming step runs."""
 
-    def __init__(self, rng: np.random.Generator, epoch_steps: int = 32, memory: float = 16.0, min_epochs: int = 3,
+    def __init__(self, rng: np.random.Generator, epoch_steps: int = 16, memory: float = 32.0, min_epochs: int = 3,
                  z: float = 2.0, stop_z: float = 1.0, noise_floor: float = 0.03, trial_share: float = 0.25,
-                 retest_share: float = 0.125, confirmed_share: float = 1.0 / 32, clear_advantage: float = 1.3):
+                 off_lead_share: float = 0.5, retest_share: float = 0.125, confirmed_share: float = 1.0 / 32,
+                 clear_advantage: float = 1.3):
         if (epoch_steps < 2 or memory < 1 or min_epochs < 2 or z <= 0 or not 0 < stop_z <= z or noise_floor <= 0
-                or not all(0 < s < 1 for s in (trial_share, retest_share, confirmed_share)) or clear_advantage < 1):
+                or not all(0 < s < 1 for s in (trial_share, off_lead_share, retest_share, confirmed_share))
+                or clear_advantage < 1):
             raise ValueError("PolicyEpochs needs epoch_steps >= 2, memory >= 1, min_epochs >= 2, z > 0, "
                              "0 < stop_z <= z, noise_floor > 0, shares in (0, 1) and clear_advantage >= 1")
         self.rng = rng
         self.epoch_steps, self.memory, self.min_epochs = epoch_steps, float(memory), min_epochs
         self.z, self.stop_z, self.noise_floor = z, stop_z, noise_floor
         self.trial_share, self.retest_share, self.confirmed_share = trial_share, retest_share, confirmed_share
+        self.off_lead_share = off_lead_share
         self.clear_advantage = clear_advantage
         # requests -> drafting cycles' tokens per second over no-draft cycles' (1: unmeasured)
         self.cycle_advantage: Callable[[int], float] = lambda requests: 1.0
@@ -97,9 +110,10 @@ class PolicyEpochs:
         self.policy(requests)
         return self.epoch_steps - self._steps
 
-    def step(self, requests: int, drafted: bool, seconds: float, tokens: float) -> None:
+    def step(self, requests: int, drafted: bool, seconds: float, tokens: float, plain: bool = True) -> None:
         """A step of `requests` requests that yielded `tokens` in `seconds` (from its start to the
-        next step's); `drafted`: the cycle verified drafts."""
+        next step's); `drafted`: the cycle verified drafts; `plain`: no prompt chunk in the step
+        (a step that prefilled is one of the epoch's steps, but not in its rate)."""
         if requests <= 0 or seconds <= 0:
             return
         if requests != self._requests:  # a batch-size change: this cycle was planned for the epoch it ends
@@ -107,9 +121,10 @@ class PolicyEpochs:
             return
         self.policy(requests)
         self._steps += 1
-        self._seconds += seconds
-        self._tokens += tokens
-        self._drafted += int(drafted)
+        if plain:
+            self._seconds += seconds
+            self._tokens += tokens
+            self._drafted += int(drafted)
         if self._steps >= self.epoch_steps:
             self._close()
 
@@ -127,6 +142,8 @@ class PolicyEpochs:
                 verdict = 1
             elif a >= off > 0:
                 share = self.trial_share / 2
+            elif off > a > 0:
+                share = self.off_lead_share
         if verdict:
             share = self.confirmed_share if verdict > 0 else 1.0 - self.retest_share
         self._policy = OFF if self.rng.random() < share else ADAPTIVE

@@ -266,7 +266,7 @@ class AdaptiveSpeculation:
         since = self._steps_since_learning
         if since >= self.learn_every and (self._queued_rows >= LEARN_ROWS or since >= 4 * self.learn_every):
             self.learn()
-        self._count_period(now, requests, num_tokens, accepted, fresh)
+        self._count_period(now, requests, num_tokens, accepted, fresh, steady)
         if self._prev_end is None or requests == 0:
             return
         # Seconds in the curves' units: divided by how fast the machine runs now (`SpeedIndex`).
@@ -328,7 +328,8 @@ class AdaptiveSpeculation:
         cycle = self._prev_cycle
         return cycle is not None and self._drafted_before is not None and (cycle[0] > 0) != self._drafted_before
 
-    def _count_period(self, now: float, requests: int, num_tokens: int, accepted: int, fresh: bool) -> None:
+    def _count_period(self, now: float, requests: int, num_tokens: int, accepted: int, fresh: bool,
+                      plain: bool = True) -> None:
         """This step in the busy period's sums (`drain.DrainLoss`): its seconds since the last
         step began, its tokens, and whether the cycle drafted. A step of only new requests
         after a gap longer than its own forward could take (the engine idled) closes the
@@ -347,7 +348,7 @@ class AdaptiveSpeculation:
                 return
         drafted = self._prev_cycle is not None and self._prev_cycle[0] > 0
         drain.step(requests, drafted, now - last, requests + accepted)
-        self.controller.epochs.step(requests, drafted, now - last, requests + accepted)
+        self.controller.epochs.step(requests, drafted, now - last, requests + accepted, plain)
 
     def _observe(self, req_ids: list[str], num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
         """Match this step's verification outcomes to what the last step handed out, by request id."""
