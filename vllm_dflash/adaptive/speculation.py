@@ -330,8 +330,9 @@ class AdaptiveSpeculation:
 
     def _count_period(self, now: float, requests: int, num_tokens: int, accepted: int, fresh: bool,
                       plain: bool = True) -> None:
-        """This step in the busy period's sums (`drain.DrainLoss`): its seconds since the last
-        step began, its tokens, and whether the cycle drafted. A step of only new requests
+        """This step in the busy period's sums (`drain.DrainLoss`) and the policy epochs: its
+        seconds since the last step began, its tokens, and whether the cycle drafted (`plain`:
+        no prompt chunk in the step; the epochs leave such a step out of their rates). A step of only new requests
         after a gap longer than its own forward could take (the engine idled) closes the
         period before it and opens one; the gap is no step's time."""
         last, self._period_clock = self._period_clock, now
