@@ -98,6 +98,12 @@ def long_prompt_ids(n: int) -> list[int]:
     return ids[:n]
 
 
+def streaming_body(**fields) -> dict:
+    """A greedy streaming request body (usage in the last chunk) of MAX_TOKENS tokens, `fields` added."""
+    return {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **fields}
+
+
 def build_mix(num_requests: int, chat_prompts: list[str], completion_prompts: list[str],
               long_prompt_ids: list[int], max_model_len: int) -> list[Request]:
     """The request mix; `long_prompt_ids` is cut to max_model_len - TO_MAX_LEN_NEW_TOKENS
@@ -116,8 +122,7 @@ def build_mix(num_requests: int, chat_prompts: list[str], completion_prompts: li
             kind = "greedy_completion"
         chat = i % 2 == 0 and kind not in ("greedy_completion", "to_max_model_len", "logprobs")
         prompt_index = (i // len(KINDS) + i) % len(chat_prompts)
-        body: dict = {"model": SERVED_NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        body = streaming_body()
         if chat:
             body["messages"] = [{"role": "user", "content": chat_prompts[prompt_index]}]
         else:

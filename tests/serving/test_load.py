@@ -39,6 +39,7 @@ from traffic import (
     completion_prompts,
     long_prompt_ids,
     run_load,
+    streaming_body,
     without_cancel,
 )
 from vllm_server import SERVED_NAME, SMALL_KV_BLOCK_SIZE, SMALL_KV_BLOCKS, SMALL_MAX_MODEL_LEN, gauge
@@ -74,9 +75,7 @@ def preempt_burst() -> list[Request]:
     assert need > 2 * SMALL_KV_BLOCKS and BURST_PROMPT_LEN + BURST_NEW_TOKENS <= SMALL_MAX_MODEL_LEN
     ids = long_prompt_ids(BURST_PROMPT_LEN + BURST_REQUESTS)
     return [Request(1000 + i, "greedy_long", "completion",
-                    {"model": SERVED_NAME, "prompt": ids[i:i + BURST_PROMPT_LEN], "max_tokens": BURST_NEW_TOKENS,
-                     "temperature": 0.0, "ignore_eos": True, "stream": True,
-                     "stream_options": {"include_usage": True}})
+                    streaming_body(prompt=ids[i:i + BURST_PROMPT_LEN], max_tokens=BURST_NEW_TOKENS, ignore_eos=True))
             for i in range(BURST_REQUESTS)]
 
 

@@ -329,7 +329,7 @@ class AdaptiveSpeculation:
         return cycle is not None and self._drafted_before is not None and (cycle[0] > 0) != self._drafted_before
 
     def _count_period(self, now: float, requests: int, num_tokens: int, accepted: int, fresh: bool,
-                      plain: bool = True) -> None:
+                      plain: bool) -> None:
         """This step in the busy period's sums (`drain.DrainLoss`) and the policy epochs: its
         seconds since the last step began, its tokens, and whether the cycle drafted (`plain`:
         no prompt chunk in the step; the epochs leave such a step out of their rates). A step of only new requests
