@@ -297,7 +297,7 @@ def _run_workload(llm, k: int | None, phases) -> dict:
     if "adaptive_stats" in result:
         result["adaptive_stats"] = result["adaptive_stats"].snapshot()
         result["dropped_context_rows"] = runner.drafter.deferred_context.dropped_rows
-        result["context_row_seconds"] = runner.drafter._context_row_seconds
+        result["context_row_seconds"] = runner.drafter._context_write_cost.per_row()
         result["switch_cost_wired"] = runner.drafter.adaptive.controller.switch_cost == runner.drafter._switch_cost
     return result
 

@@ -589,6 +589,27 @@ def test_a_size_never_measured_drafting_measures_that_first_then_the_arms_decide
     assert plan.q == 0 and plan.reason != PROBE
 
 
+def test_a_size_never_measured_drafting_waits_while_its_held_context_would_not_pay_back():
+    """As above, but the run's first step would write 1 s of held context with 100 output
+    tokens left: even drafting e^UNMEASURED_MARGIN times faster than the curves say would not
+    pay that back, so no run starts and the size stays unmeasured; asked again once the context
+    is written (nothing held), the run starts."""
+    spec = _curves_say_drafting_costs_a_little_at_2()
+    c = spec.controller
+    held = {"cost": (1.0, 100)}
+    c.switch_cost = lambda req_ids: held["cost"]
+    now = 0.0
+    for _ in range(c.first_draft_steps + 6):
+        plan, _, now = _step_on_the_curves(spec, now, ["a", "b"], [0, 0], [0, 0])
+        assert plan.q == 0 and plan.reason != PROBE, plan
+    spec.fold_runs()
+    assert c._warmup_key(2) not in c._draft_seen and c.arms.cycles(2, True) == 0
+    held["cost"] = (0.0, None)
+    c._cache.clear()  # the next plan
+    plan, _, _ = _step_on_the_curves(spec, now, ["a", "b"], [0, 0], [0, 0])
+    assert plan.q > 0 and plan.reason == PROBE
+
+
 def test_a_size_whose_curves_put_drafting_far_behind_is_not_measured_drafting():
     """The same size with drafting's curves 20x dearer: its best drafting plan is worth less than
     e^-UNMEASURED_MARGIN of not drafting, no measuring run drafts there, and every step coasts;

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_dflash.adaptive.write_cost import ContextWriteCost
 from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, last_write_per_slot
 
 
@@ -212,7 +213,8 @@ def _writing_proposer(model, queue: DeferredContext):
     p = object.__new__(proposer_module.DFlashProposer)
     p.model, p.deferred_context = model, queue
     p.runner = SimpleNamespace(requests={"live": object()})
-    p._drop_finished_context, p._not_drafting_seconds, p._context_row_seconds = True, 0.0, None
+    p._drop_finished_context, p._not_drafting_seconds = True, 0.0
+    p._context_write_cost = ContextWriteCost()
     p._prompt_rows = 0
     return p
 
@@ -239,7 +241,7 @@ def test_the_held_rows_share_of_a_write_counts_only_rows_written(monkeypatch):
     p._write_context(rows(2, 10, seed=3), hold=False)
     assert clock[0] == pytest.approx(4e-3) and p.deferred_context.dropped_rows == 8
     assert p._not_drafting_seconds == pytest.approx(2e-3)
-    assert p._context_row_seconds == pytest.approx(1e-3)  # per row written: what the next switch is priced at
+    assert p._context_write_cost.per_row() == pytest.approx(1e-3)  # per row written: what the next switch is priced at
 
 
 def test_prompt_rows_share_of_a_context_write_is_left_out_of_the_draft_time(monkeypatch):
@@ -323,11 +325,14 @@ def test_switch_cost_prices_the_live_held_rows_and_counts_the_tokens_left():
     p = object.__new__(proposer_module.DFlashProposer)
     p.deferred_context = DeferredContext(max_rows=100)
     p.runner = SimpleNamespace(requests={"a": state(64, 10), "b": state(32, 30)})
-    p._drop_finished_context, p._context_row_seconds = True, None
+    p._drop_finished_context, p._context_write_cost = True, ContextWriteCost()
     assert p.deferred_context.hold(rows(3, 0, seed=1), owners=["a", "gone", "b"])
     assert p.deferred_context.hold(rows(2, 3, seed=2), owners=["a", "b"])
     assert p._switch_cost(["a", "b"]) == (0.0, None)  # no write measured yet: nothing to price
-    p._context_row_seconds = 2e-3
+    # writes of 1 and 10 rows at 5 ms a write plus 2 ms a row: held rows cost 2 ms each (the
+    # drafting step pays the 5 ms whether or not rows were held)
+    p._context_write_cost.add(1, 7e-3)
+    p._context_write_cost.add(10, 25e-3)
     seconds, left = p._switch_cost(["a", "b"])
     assert p.deferred_context.live_rows(p.runner.requests) == 4 and p.deferred_context.live_rows(None) == 5
     assert seconds == pytest.approx(8e-3) and left == (64 - 10) + (32 - 30)

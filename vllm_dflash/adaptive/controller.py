@@ -125,6 +125,7 @@ class _CachedPlan(NamedTuple):
     probe: bool  # the curves see the arms close and the measured arms cannot yet tell
     other_verifies: bool  # other_q's best budget verifies something
     draft_ratio: float  # the best drafting q's value over not drafting's (measured seconds)
+    none_value: float  # not drafting's value: expected tokens per second of a step without drafts
     basis: tuple[int, ...] | None  # requests per kind, where that is all the plan rests on (`_plan_basis`)
 
 
@@ -190,6 +191,8 @@ class BudgetController:
         self.first_draft_steps = first_draft_steps
         self._no_draft_seen: set[int] = set()  # batch-size knots whose no-draft step was measured or is being
         self._draft_seen: set[int] = set()  # batch-size knots whose drafting was measured or is being
+        # knot -> the plan (its stamp) at which measuring drafting there was last declined for the held context
+        self._switch_declined: dict[int, int] = {}
         # The open run of the other kind (`_start_other_run`): further steps, its q and reason.
         self._other_left, self._other_q, self._other_reason = 0, 0, PROBE
         self._warmup_done: dict[int, int] = {}
@@ -295,7 +298,7 @@ class BudgetController:
         if q > 0 and self._no_draft_unmeasured(requests):
             self._start_other_run(0, PROBE, self.first_no_draft_steps)
             return Plan(0, PROBE)
-        if q == 0 and explore_now is None and self._drafting_unmeasured(requests, entry):
+        if q == 0 and explore_now is None and self._drafting_unmeasured(requests, entry, req_ids):
             self._start_other_run(entry.other_q, PROBE, self.first_draft_steps)
             return Plan(entry.other_q, PROBE)
         if explore_now == PROBE or (explore_now is None and entry.probe
@@ -327,7 +330,7 @@ class BudgetController:
             return False
         return self._first_at_knot(self._no_draft_seen, requests, drafted=False)
 
-    def _drafting_unmeasured(self, requests: int, entry: _CachedPlan) -> bool:
+    def _drafting_unmeasured(self, requests: int, entry: _CachedPlan, req_ids: list[str]) -> bool:
         """True once per batch-size knot, at the first plan not to draft there that the arms
         do not decide, if fewer drafting cycles were measured there than the arms' verdict
         needs and the curves' best drafting q verifies something. A size's drafting curves
@@ -338,10 +341,24 @@ class BudgetController:
         fall (float32, AVX-512 EPYC), where static k = 15 ran 1.06-1.19x of no speculation on
         prose. The run's cycles after the first reach the arms, whose verdict then decides.
         (A plan without drafts always has a drafting q to compare, `other_q` >= 1.) Nor where the
-        curves put drafting further behind than errors of their size close (`UNMEASURED_MARGIN`)."""
+        curves put drafting further behind than errors of their size close (`UNMEASURED_MARGIN`).
+        Nor, for now, where the run's first step would write more held context than drafting
+        that far ahead of the curves would pay back before the requests finish (`switch_pays`):
+        at 64 requests in flight the run started where the curves had drafting at 0.66x, and
+        writes of held context there took up to 48 ms (8,192 rows; float32, Zen 4 EPYC). The
+        size is asked again at its next plan, when less may be held (once per plan: pricing the
+        held rows walks the queue)."""
         if (self.first_draft_steps == 0 or not entry.other_verifies or entry.verdict != 0
                 or not entry.draft_ratio > math.exp(-UNMEASURED_MARGIN)):
             return False
+        knot = nearest_knot(self._knots, requests)
+        if knot in self._draft_seen or self._switch_declined.get(knot) == entry.stamp:
+            return False
+        if self.switch_cost is not None:
+            best_case = entry.none_value * entry.draft_ratio * math.exp(UNMEASURED_MARGIN)
+            if not self.switch_pays(entry.none_value, best_case, *self.switch_cost(req_ids)):
+                self._switch_declined[knot] = entry.stamp
+                return False
         return self._first_at_knot(self._draft_seen, requests, drafted=True)
 
     def _first_at_knot(self, seen: set[int], requests: int, drafted: bool) -> bool:
@@ -528,7 +545,7 @@ class BudgetController:
                                 "switch_seconds": round(switch[0], 6), "tokens_left": switch[1], "probe": probe}
             entry = _CachedPlan(self._decisions, step, draft, q, float(seconds[q]), full, explore_cost, factors,
                                 interval, req_ids, verdict, other_q, probe, bool(verifies[other_q]), ratio,
-                                basis)
+                                float(scaled[0]), basis)
             self._cache[requests] = entry
         return entry
 

@@ -53,6 +53,7 @@ from vllm_dflash.adaptive.confidence import (DEFAULT_FEATURE, argmax_with_confid
 from vllm_dflash.adaptive.plan_trace import PlanTrace
 from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 from vllm_dflash.adaptive.stats import AdaptiveStats
+from vllm_dflash.adaptive.write_cost import ContextWriteCost
 from vllm_dflash.serving import gemm_rows
 from vllm_dflash.serving.adaptive_option import adaptive_enabled
 from vllm_dflash.serving.context_queue import ContextRows, DeferredContext, joined, max_held_rows
@@ -133,8 +134,8 @@ class DFlashProposer(DrafterBase):
         # and the rows of its prompt chunks (`_write_context`). Left out of the draft-time sample.
         self._not_drafting_seconds = 0.0
         self._prompt_rows = 0  # context rows of this step that are prompt tokens (set by _begin_adaptive)
-        # Seconds per context row of writes that took held rows, averaged over writes (None: none yet).
-        self._context_row_seconds: float | None = None
+        # Seconds of the context writes, fixed part and per row (what a switch to drafting is priced at).
+        self._context_write_cost = ContextWriteCost()
         if self.adaptive is not None:
             self.adaptive.controller.switch_cost = self._switch_cost
         logger.info(
@@ -358,7 +359,9 @@ class DFlashProposer(DrafterBase):
         if not self.deferred_context.rows:
             rows = joined(rows)
             self.model.store_context_kv(rows.features, rows.positions, rows.slots)
-            self._charge_prompt_rows(time.perf_counter() - t0, own)
+            elapsed = time.perf_counter() - t0
+            self._context_write_cost.add(own, elapsed)
+            self._charge_prompt_rows(elapsed, own)
             return
         rows = self.deferred_context.take(rows, live)
         self.model.store_context_kv(rows.features, rows.positions, rows.slots)
@@ -368,9 +371,7 @@ class DFlashProposer(DrafterBase):
         elapsed = time.perf_counter() - t0
         self._not_drafting_seconds += elapsed * (written - own) / written
         self._charge_prompt_rows(elapsed * own / written, own)
-        per_row = elapsed / written
-        last = self._context_row_seconds
-        self._context_row_seconds = per_row if last is None else 0.5 * (last + per_row)
+        self._context_write_cost.add(written, elapsed)
 
     def _charge_prompt_rows(self, seconds: float, own: int) -> None:
         """The prompt rows' share of `seconds` spent on this step's `own` context rows, left
@@ -381,13 +382,16 @@ class DFlashProposer(DrafterBase):
     def _switch_cost(self, req_ids: list[str]) -> tuple[float, int | None]:
         """(seconds the next drafting step would spend on held context rows, output tokens the
         requests `req_ids` have left, None where one has no limit): what the controller weighs
-        before it turns drafting back on (`BudgetController.switch_pays`)."""
+        before it turns drafting back on (`BudgetController.switch_pays`). The held rows of live
+        requests at the writes' per-row seconds (`ContextWriteCost`): the write's fixed part is
+        the drafting step's own, held rows or not."""
         held = self.deferred_context.rows
-        if not held or self._context_row_seconds is None or self.runner is None:
+        per_row = self._context_write_cost.per_row()
+        if not held or per_row is None or self.runner is None:
             return 0.0, None
         requests = self.runner.requests
         live = requests if self._drop_finished_context else None
-        seconds = self.deferred_context.live_rows(live) * self._context_row_seconds
+        seconds = self.deferred_context.live_rows(live) * per_row
         left = 0
         for req_id in req_ids:
             tokens = self._tokens_left(requests.get(req_id))
