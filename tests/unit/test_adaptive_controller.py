@@ -499,3 +499,30 @@ def test_the_recent_rows_are_the_last_ones_of_each_kind_extended_to_k():
     assert np.all(np.diff(recent, axis=1) <= 0) and np.all(recent[:, 2:] > 0)  # continued past position 2
     assert np.allclose(prior.recent(SAMPLED), [[0.5, 0.25, 0.1, 0.05]])
     assert prior.recent(GREEDY).base is not prior._recent  # a copy: the caller may change it
+
+
+def test_a_small_curve_lead_does_not_draft_where_the_epochs_ran_off_faster():
+    """The arms undecided and the epochs' OFF policy measured ahead (`PolicyEpochs.off_leads`): the
+    curves must put drafting more than `probe_margin` (e^0.2 = 1.22x) ahead. Drafting's seconds are
+    scaled so that the curves' best drafting value is 1.1x, then 1.4x, not drafting's: without the
+    lead both draft; with it only the second. The cached plan is redone when the lead changes."""
+    c = controller(lambda r, t: 1e-3, lambda r, t: 1e-4, max_explore_probability=0.0, probe_probability=0.0)
+    ids = [f"r{i}" for i in range(4)]
+    give_history(c, ids, np.cumprod(np.full(K, 0.7)))
+    kinds = np.full(4, GREEDY)
+    assert c.plan(ids, kinds).q > 0
+    base = c._cache[4].draft_ratio
+    assert base > 1.5
+    for ratio, drafts_with_lead in ((1.1, False), (1.4, True)):
+        c.time_factors = lambda requests, f=base / ratio: (1.0, f)
+        c.epochs._off_leads[4] = False
+        c._cache.clear()
+        assert c.plan(ids, kinds).q > 0
+        assert c._cache[4].draft_ratio == pytest.approx(ratio, rel=1e-6)
+        assert c.steady_run(ids, most=8, drafting=True)[0] > 0
+        c.epochs._off_leads[4] = True
+        assert c.steady_run(ids, most=8, drafting=True) == (0, 0)  # the plan is redone at once
+        plan = c.plan(ids, kinds)
+        assert (plan.q > 0) == drafts_with_lead and c._cache[4].off_lead
+        if not drafts_with_lead:
+            assert c._cache[4].other_q > 0 and not c._cache[4].probe
