@@ -551,7 +551,8 @@ class BudgetController:
                 explore_cost += switch[0] / planned_seconds
             if self.trace is not None:
                 self._replan = {"values": [round(float(v), 3) for v in scaled], "best_draft": best_draft,
-                                "planned_q": q, "verdict": verdict, "off_lead": off_lead, "factors": [round(f, 4) for f in factors],
+                                "planned_q": q, "verdict": verdict, "off_lead": off_lead,
+                                "factors": [round(f, 4) for f in factors],
                                 "arms": [round(r, 1) for r in self.arms.rates(requests)],
                                 "arm_cycles": [round(self.arms.cycles(requests, d), 1) for d in (False, True)],
                                 "switch_seconds": round(switch[0], 6), "tokens_left": switch[1], "probe": probe}
