@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -501,6 +503,12 @@ def test_the_recent_rows_are_the_last_ones_of_each_kind_extended_to_k():
     assert prior.recent(GREEDY).base is not prior._recent  # a copy: the caller may change it
 
 
+def measured_epochs(epochs, requests: int, off_rate: float, adaptive_rate: float = 1000.0) -> None:
+    """`min_epochs` epochs of each policy at these rates (OFF leads where off_rate is higher)."""
+    n = float(epochs.min_epochs)
+    epochs._sums[requests] = [[n, n * math.log(rate), n * math.log(rate) ** 2] for rate in (adaptive_rate, off_rate)]
+
+
 def test_a_small_curve_lead_does_not_draft_where_the_epochs_ran_off_faster():
     """The arms undecided and the epochs' OFF policy measured ahead (`PolicyEpochs.off_leads`): the
     curves must put drafting more than `probe_margin` (e^0.2 = 1.22x) ahead. Drafting's seconds are
@@ -515,12 +523,12 @@ def test_a_small_curve_lead_does_not_draft_where_the_epochs_ran_off_faster():
     assert base > 1.5
     for ratio, drafts_with_lead in ((1.1, False), (1.4, True)):
         c.time_factors = lambda requests, f=base / ratio: (1.0, f)
-        c.epochs._off_leads[4] = False
+        measured_epochs(c.epochs, 4, off_rate=900.0)
         c._cache.clear()
         assert c.plan(ids, kinds).q > 0
         assert c._cache[4].draft_ratio == pytest.approx(ratio, rel=1e-6)
         assert c.steady_run(ids, most=8, drafting=True)[0] > 0
-        c.epochs._off_leads[4] = True
+        measured_epochs(c.epochs, 4, off_rate=1100.0)
         assert c.steady_run(ids, most=8, drafting=True) == (0, 0)  # the plan is redone at once
         plan = c.plan(ids, kinds)
         assert (plan.q > 0) == drafts_with_lead and c._cache[4].off_lead

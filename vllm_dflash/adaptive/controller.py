@@ -444,9 +444,8 @@ class BudgetController:
             return 0, 0
         most = min(most, epoch_left)
         entry = self._cache.get(requests)
-        if (entry is None or (entry.q > 0) != drafting
-                or self._factors_moved(entry.factors, self.time_factors(requests))
-                or self.verdict(requests) != entry.verdict or self.epochs.off_leads(requests) != entry.off_lead):
+        if (entry is None or (entry.q > 0) != drafting or self._inputs_moved(
+                entry, self.time_factors(requests), self.verdict(requests), self.epochs.off_leads(requests))):
             return 0, 0
         limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
@@ -490,8 +489,7 @@ class BudgetController:
         factors = self.time_factors(requests)
         verdict = self.verdict(requests)
         off_lead = self.epochs.off_leads(requests)
-        moved = entry is not None and (self._factors_moved(entry.factors, factors) or verdict != entry.verdict
-                                       or off_lead != entry.off_lead)
+        moved = entry is not None and self._inputs_moved(entry, factors, verdict, off_lead)
         if (entry is not None and not moved and entry.basis is not None and req_ids != entry.req_ids
                 and entry.basis == self._plan_basis(req_ids, kinds)):
             entry = self._cache[requests] = entry._replace(req_ids=req_ids)  # theirs too: see `_plan_basis`
@@ -638,6 +636,11 @@ class BudgetController:
         if req_ids == entry.req_ids:
             return age >= entry.interval
         return age >= max(1, self.refresh_steps // 4)
+
+    def _inputs_moved(self, entry: _CachedPlan, factors: tuple[float, float], verdict: int, off_lead: bool) -> bool:
+        """What the plan `entry` rested on changed (its time factors by over 10%, the arms' verdict, the
+        epochs' lead): it is redone now, and no run coasts on it (`_planned`, `steady_run`)."""
+        return self._factors_moved(entry.factors, factors) or verdict != entry.verdict or off_lead != entry.off_lead
 
     @staticmethod
     def _factors_moved(then: tuple[float, float], now: tuple[float, float], tolerance: float = 0.1) -> bool:

@@ -93,8 +93,6 @@ class PolicyEpochs:
         self._steps, self._seconds, self._tokens, self._drafted = 0, 0.0, 0.0, 0
         self.off_now = False  # the open epoch runs OFF (read on every coasting step: an attribute)
         self.epochs_closed = [0, 0]
-        # requests -> OFF's measured rate is ahead of ADAPTIVE's there (both measured; `off_leads`)
-        self._off_leads: dict[int, bool] = {}
         # Where each closed epoch is reported (the controller's plan trace); None: nowhere.
         self.trace: Callable[[dict], None] | None = None
 
@@ -162,8 +160,6 @@ class PolicyEpochs:
         n, s, s2 = sums[policy]
         sums[policy] = [n * keep + 1.0, s * keep + x, s2 * keep + x * x]
         self.epochs_closed[policy] += 1
-        a, off = self.rates(requests)
-        self._off_leads[requests] = self._both_measured(requests) and off > a
         if self.trace is not None:
             self.trace({"epoch": POLICY_NAMES[policy], "requests": requests,
                         "tok_s": round(self._tokens / self._seconds, 1),
@@ -182,8 +178,11 @@ class PolicyEpochs:
     def off_leads(self, requests: int) -> bool:
         """OFF's epochs ran faster than ADAPTIVE's at this batch size, by any margin, both measured
         (`min_epochs`): the controller then wants the curves clearly ahead before it drafts
-        (`BudgetController._planned`). Read on every coasting step: a lookup, set as epochs close."""
-        return self._off_leads.get(requests, False)
+        (`BudgetController._planned`)."""
+        if not self._both_measured(requests):
+            return False
+        a, off = self.rates(requests)
+        return off > a
 
     def _both_measured(self, requests: int) -> bool:
         sums = self._sums.get(requests)
