@@ -10,8 +10,7 @@ import pytest
 from vllm_dflash.adaptive.calibration import GREEDY
 from vllm_dflash.adaptive.controller import FORCED, OPTIMAL, PROBE, UNMEASURED_MARGIN, Plan
 from vllm_dflash.adaptive import speculation
-from vllm_dflash.adaptive.cost_model import nearest_knot
-from vllm_dflash.adaptive.speculation import AFTER_DRAFTING_CYCLES, AdaptiveSpeculation
+from vllm_dflash.adaptive.speculation import AdaptiveSpeculation
 
 K = 4
 
@@ -447,20 +446,17 @@ def test_runs_cut_short_still_explore_at_the_planned_rate():
 def test_a_cycle_after_a_switch_of_kind_is_no_sample_but_a_return_to_drafting_is_charged_to_its_arm():
     """Drafting steps, then a probe (probe_steps steps without drafts), then drafting again:
     the first cycle of each kind after a switch holds the tail of the other kind's last
-    step, and the first AFTER_DRAFTING_CYCLES cycles without drafts run slower for the
-    drafting before them, so they reach neither E(R, t) nor the realised/forecast ratios nor
-    the no-draft arm; the later cycles of the run do, and every step still gives its
-    D(R, q + 1) sample. The first drafting cycle after the probe reaches the drafting arm,
-    whole: its call's time spent writing the context held back by the probe (`not_drafting`,
-    out of D) included. With no cycle without drafts measured before, nothing is charged."""
+    step, so it reaches neither E(R, t) nor the realised/forecast ratios; the later cycles
+    of the run do, and every step still gives its D(R, q + 1) sample. The first drafting
+    cycle after the probe reaches the drafting arm, whole: its call's time spent writing the
+    context held back by the probe (`not_drafting`, out of D) included; the first cycle
+    without drafts reaches no arm."""
     spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0, measure_first_calls=True)
     c = spec.controller
-    assert c.probe_steps > AFTER_DRAFTING_CYCLES  # a probe measures something
-    arms, steps, realized, drafts, charges = [], [], [], [], []
+    arms, steps, realized, drafts = [], [], [], []
     arms_observe, step_observe, realized_observe, draft_observe = (
         c.arms.observe, c.step_cost.observe, c.realized.observe, c.draft_cost.observe)
     c.arms.observe = lambda r, drafted, s, t: (arms.append((drafted, s)), arms_observe(r, drafted, s, t))
-    c.arms.charge = lambda r, s: charges.append(s)
     c.step_cost.observe = lambda r, t, s: (steps.append(t), step_observe(r, t, s))
     c.realized.observe = lambda r, drafted, *a: (realized.append(drafted), realized_observe(r, drafted, *a))
     c.draft_cost.observe = lambda r, t, s: (drafts.append((t, s)), draft_observe(r, t, s))
@@ -481,69 +477,16 @@ def test_a_cycle_after_a_switch_of_kind_is_no_sample_but_a_return_to_drafting_is
     assert kinds[1:] == [True] * 4 + [False] * c.probe_steps + [True] * 5
     # Cycle j closes at the step after it: cycles 0 .. total have closed.
     closed = kinds[:total + 1]
-    clean, charged, since = [closed[0]], [closed[0]], 0
-    for before, k in zip(closed, closed[1:]):
-        since = 0 if k else since + 1
-        if (k and before) or (not k and since > AFTER_DRAFTING_CYCLES):
-            clean.append(k)
-        if (k and before) or (k and not before) or (not k and since > AFTER_DRAFTING_CYCLES):
-            charged.append(k)
+    clean = [closed[0]] + [k for before, k in zip(closed, closed[1:]) if before == k]
+    charged = [closed[0]] + [k for before, k in zip(closed, closed[1:]) if before == k or (k and not before)]
     assert realized == clean
     assert [drafted for drafted, _ in arms] == charged != clean
-    assert charges == []  # the probe's first cycles came before any cycle without drafts was measured
     # Each cycle spans 10 ms; the return to drafting's call drafted 0.5 ms of it and wrote held context for 1.5 ms.
     assert [s for _, s in arms] == pytest.approx([0.01] * len(charged))
     assert sorted(s for _, s in drafts)[0] == pytest.approx(0.0005, rel=0.05)  # D(R, q + 1) without the held write (speed index units)
-    assert clean.count(False) == c.probe_steps - AFTER_DRAFTING_CYCLES
-    assert steps.count(1.0) == c.probe_steps - AFTER_DRAFTING_CYCLES  # E(R, 1): the probe's cycles after them
+    assert clean.count(False) == c.probe_steps - 1
+    assert steps.count(1.0) == c.probe_steps - 1  # E(R, 1): the probe's cycles after its first
     assert len(drafts) == total + 1  # D(R, q + 1): every step's own
-
-
-def _arms_after_a_probe(first_cycles: list[float]) -> tuple[AdaptiveSpeculation, list]:
-    """Both arms measured at 2 requests (no-draft cycles of 10 ms, 2 tokens each), drafting
-    steps of 10 ms cycles, then a probe whose first cycles take `first_cycles` seconds (the
-    rest 10 ms), then drafting again: the spec and its arms' sums at 2 requests."""
-    spec = _drafting_spec(max_explore_probability=0.0, probe_probability=0.0, measure_first_calls=True)
-    c = spec.controller
-    for _ in range(8):
-        c.arms.observe(2, False, 0.01, 2.0)
-    verified, now = [K, K], 0.01
-    probe_at, steps = 4, 4 + c.probe_steps + 1  # the last step drafts again and closes the probe's last cycle
-    for i in range(steps):
-        if i == probe_at:
-            spec.fold_runs()
-            c._explore_next = PROBE
-        plan, budgets = step(spec, now, ["a", "b"], verified, [min(1, v) for v in verified], 2 + sum(verified),
-                             q_feature=0.99)
-        assert (plan.q == 0) == (probe_at <= i < probe_at + c.probe_steps)
-        verified = budgets.tolist()
-        j = i - probe_at
-        now += first_cycles[j] if 0 <= j < len(first_cycles) else 0.01
-    spec.fold_runs()
-    return spec, [list(arm) for arm in c.arms._sums[nearest_knot(c.arms.knots, 2)]]
-
-
-def test_the_slow_cycles_without_drafts_after_drafting_are_charged_to_the_drafting_arm():
-    """A probe whose first AFTER_DRAFTING_CYCLES cycles take 25, 16 and 13 ms, against one
-    whose cycles all take 10 ms (the no-draft arm's rate: 2 tokens in 10 ms): the slow
-    cycles are no samples of the no-draft arm (its sums are the same in both), and the
-    drafting arm's time grows by their excess over that rate, 15 + 6 + 3 ms, faded by the
-    no-draft cycles the arm saw after them. Counted as no-draft cycles, they would have
-    slowed the no-draft arm instead, and drafting's lead over it grown."""
-    slow = [0.025, 0.016, 0.013]
-    spec, (none_slow, draft_slow) = _arms_after_a_probe(slow)
-    _, (none_even, draft_even) = _arms_after_a_probe([0.01] * len(slow))
-    arms = spec.controller.arms
-    assert none_slow == pytest.approx(none_even)
-    assert none_slow[0] / none_slow[1] == pytest.approx(200.0)
-    clean = spec.controller.probe_steps - AFTER_DRAFTING_CYCLES  # no-draft cycles the arms saw after the charges
-    fade = 1.0 - 1.0 / (arms.memory * arms.stale_factor)
-    excess = sum(seconds - 2 / 200.0 for seconds in slow)
-    assert excess == pytest.approx(0.024)
-    assert draft_slow[0] == pytest.approx(draft_even[0])  # tokens and cycles as they were
-    assert draft_slow[2] == pytest.approx(draft_even[2])
-    # the charges came before the probe's clean cycles, each of which faded the drafting arm
-    assert draft_slow[1] - draft_even[1] == pytest.approx(excess * fade ** clean, rel=1e-6)
 
 
 def _curves_say_drafting_pays_at_2() -> AdaptiveSpeculation:

@@ -32,11 +32,9 @@ drain; the burden of proof on drafting: one standard error behind stops it,
 two ahead start it), that verdict decides between drafting and not; while the plan is to
 draft, the curves see drafting ahead by less than `probe_margin` and the
 measurements cannot yet tell, about a `probe_probability` share of decisions
-does not draft (a probe), in runs of `probe_steps` steps: the first cycles
-without drafts after drafting are no samples of not drafting (the steps right
-after a drafting one run slower: `speculation.AFTER_DRAFTING_CYCLES`, 3), so a
-lone no-draft step among drafting ones would measure nothing, and a run of 6
-measures 3. At a batch size whose no-draft step was
+does not draft (a probe), in runs of `probe_steps` steps: only a cycle of the
+same kind as the one before it is measured, so a lone no-draft step among
+drafting ones would measure nothing. At a batch size whose no-draft step was
 never measured, the first plan to draft is preceded by a run of
 `first_no_draft_steps` steps without drafts: its cost there is otherwise only
 carried over from other sizes, and nothing would ever correct it. The other way
@@ -173,7 +171,7 @@ class BudgetController:
     def __init__(self, max_k: int, max_requests: int, seed: int = 0, warmup_steps: int = 16, knot_warmup_steps: int = 4,
                  explore_time_share: float = 0.01, max_explore_probability: float = 0.05,
                  per_request_prior: bool = True, refresh_steps: int = 16, probe_margin: float = 0.2,
-                 probe_probability: float = 0.125, probe_steps: int = 6, first_no_draft_steps: int = 7,
+                 probe_probability: float = 0.125, probe_steps: int = 4, first_no_draft_steps: int = 7,
                  first_draft_steps: int = 7):
         if max_k < 1:
             raise ValueError(f"max_k={max_k} must be >= 1")

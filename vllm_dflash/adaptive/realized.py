@@ -166,23 +166,11 @@ class SpeedIndex:
         self.factor = math.exp(self.log_sum / self.weight) if self.weight > 0 else 1.0
 
 
-# The share of the drafting arm's and the yield factor's evidence at a batch size kept when a step's
-# requests are all new (none was in the step before; `AdaptiveSpeculation.begin`). Evidence saturates
-# at `memory` cycles (32 by default), so this leaves both below their `min_cycles` (6 and 4): the
-# verdict and the yield factor wait for drafting cycles of the new requests (`ArmRates.discount`).
+# The share of the arms' and the yield factor's evidence at a batch size kept when a step's requests are
+# all new (none was in the step before; `AdaptiveSpeculation.begin`). Evidence saturates at `memory`
+# cycles (32 by default), so this leaves both below their `min_cycles` (6 and 4): the verdict and the
+# yield factor wait for cycles of the new requests.
 NEW_TEXT_KEEP = 0.1
-
-
-def new_text_keep(requests: int) -> float:
-    """The share of drafting's evidence kept when a batch of `requests` all-new requests
-    starts: `NEW_TEXT_KEEP` at one request, more the more requests the batch holds. What
-    drafting yields follows the batch's mean acceptance, and the mean over R requests drawn
-    from one workload varies from batch to batch as 1/sqrt(R) of one request's: the loss kept
-    is (1 - NEW_TEXT_KEEP) / sqrt(R) (4 requests keep 55%, 8 keep 68%, 64 keep 89%). With 10%
-    at every size, each bench pass at 8 requests (all new) reopened the verdict, and the
-    curves drafted 7-13% of its steps at ~0.85x the rate of not drafting until the arms had
-    measured drafting again (float32, Zen 4 EPYC)."""
-    return 1.0 - (1.0 - NEW_TEXT_KEEP) / math.sqrt(max(requests, 1))
 
 
 class ArmRates:
@@ -215,8 +203,8 @@ class ArmRates:
     however clear it was, and the curves it had overruled decided again.
 
     What drafting delivers depends on the text: the arms measure the requests that ran. When
-    a step's requests are all new (at one request: every new request), drafting's evidence is
-    discounted (`discount`, the more the fewer requests: `new_text_keep`): traced at one request on the bundled pair's code prompts
+    a step's requests are all new (at one request: every new request), their evidence is
+    mostly discounted (`discount`): traced at one request on the bundled pair's code prompts
     (float32, AVX-512 EPYC), drafting delivered 880-970 tok/s on some prompts and 390-440 on
     others against ~520 without; the verdict one hard prompt left held drafting off for the
     easy ones that followed (18-36% of steps drafting where static k = 15 ran 1.3x adaptive).
@@ -252,28 +240,13 @@ class ArmRates:
         arms[int(drafted)] = [t * keep + tokens, s * keep + seconds, n * keep + 1.0, lx * keep + x, lx2 * keep + x * x]
         arms[1 - int(drafted)] = [v * fade for v in arms[1 - int(drafted)]]
 
-    def charge(self, requests: int, seconds: float) -> None:
-        """`seconds` that drafting cost outside its own cycles (the cycles without drafts right
-        after a drafting run, beyond what such cycles take here: `AdaptiveSpeculation`'s
-        `_charge_after_drafting`) added to the drafting arm's time at this batch size. No cycle
-        is counted and the noise is left as it is; a negative charge (such cycles ran faster)
-        takes at most half the arm's time. Nothing happens before the arm has a cycle."""
-        arm = self._sums[nearest_knot(self.knots, requests)][1]
-        if arm[1] > 0:
-            arm[1] = max(arm[1] + seconds, 0.5 * arm[1])
-
     def discount(self, requests: int, keep: float) -> None:
-        """The drafting arm's evidence at this batch size scaled by `keep` (new requests:
-        `new_text_keep`). The no-draft arm's is kept: a cycle without drafts yields one token
-        per request whatever the text, in the machine's time for the step. Discounted too, it
-        waited at every new batch for cycles without drafts, which only probes give while the
-        curves plan drafting: traced at 8 requests (float32, Zen 4 EPYC) with each bench pass
-        all new requests, the curves drafted 12-36% of steps at ~0.9x the rate of not drafting
-        until the arms had both measured again, pass after pass."""
+        """Both arms' evidence at this batch size scaled by `keep` (new requests: `NEW_TEXT_KEEP`)."""
         knot = nearest_knot(self.knots, requests)
         arms = self._sums[knot]
-        arms[1] = [v * keep for v in arms[1]]
-        self._measured[knot][1] *= keep
+        for i in range(2):
+            arms[i] = [v * keep for v in arms[i]]
+        self._measured[knot] = [n * keep for n in self._measured[knot]]
 
     def cycles(self, requests: int, drafted: bool) -> float:
         """The (forgetting) count of cycles behind an arm's rate."""

@@ -31,7 +31,7 @@ from vllm_dflash.adaptive.calibration import GREEDY, SAMPLED, RequestOffsets, Su
 from vllm_dflash.adaptive.controller import (EXPLORE, FORCED, OFF_EPOCH, OPTIMAL, PROBE, BudgetController, ForcedSchedule,
                                              Plan)
 from vllm_dflash.adaptive.few_requests import MAX_PAIRS, few_requests_choice
-from vllm_dflash.adaptive.realized import SpeedIndex, new_text_keep
+from vllm_dflash.adaptive.realized import NEW_TEXT_KEEP, SpeedIndex
 from vllm_dflash.adaptive.stats import AdaptiveStats
 
 # Learning waits for LEARN_ROWS queued rows, drafts and outcomes (or 4 x learn_every steps): at one
@@ -44,13 +44,6 @@ LEARN_ROWS = 16
 # 1.02x -> 0.89x (float32, AVX-512 EPYC); the checks made at a run's start came 4x less often there.
 # Back at 16 for both kinds until a bench says otherwise.
 RUN_STEPS = 16
-# Cycles without drafts this soon after a drafting cycle (the first of them, the switch, included)
-# are no samples of not drafting: their excess over the steady no-draft rate is drafting's
-# (`_charge_after_drafting`). Traced in the bench (2 rounds at 4, 8 and 16 requests, float32 and
-# bfloat16, Zen 4 EPYC; 15-23 batch sizes of one engine), the median step time of the k-th cycle
-# without drafts after a drafting one, over that of the 9th and later: k = 1 1.40x, 2 1.11x,
-# 3 1.06x, 4 1.05x, 5-8 1.03x (weighted 1.47, 1.11, 1.07, 1.06, 1.05).
-AFTER_DRAFTING_CYCLES = 3
 
 
 @dataclass
@@ -128,9 +121,6 @@ class AdaptiveSpeculation:
         # drafting: held context and prompt rows written) of the last call
         self._prev_cycle: tuple[int, float, float, float, float, int, float, float] | None = None
         self._drafted_before: bool | None = None  # whether the cycle before _prev_cycle drafted
-        # Cycles without drafts since the last drafting one, _prev_cycle's included (0: it drafted;
-        # None: nothing drafted yet)
-        self._since_drafting: int | None = None
         self._drafted_shapes: set[tuple[int, int]] = set()  # (requests, q) drafted before (`_close_cycle`)
         self._step: StepState | None = None
         self._period_clock: float | None = None  # when the last step began (`_count_period`)
@@ -177,10 +167,9 @@ class AdaptiveSpeculation:
         steady = same_or_fewer and plain_decode
         fresh = not same_or_fewer and self._prev_req_ids.isdisjoint(req_ids)
         self._learn_and_sample(now, requests, num_tokens, steady, int(num_accepted.sum()), same_or_fewer, fresh)
-        if fresh and self._prev_req_ids:  # new text: drafting's arm and yields measured other requests
-            keep = new_text_keep(requests)
-            self.controller.arms.discount(requests, keep)
-            self.controller.realized.discount_yields(requests, keep)
+        if fresh and self._prev_req_ids:  # new text: the arms and yields measured other requests (`ArmRates`)
+            self.controller.arms.discount(requests, NEW_TEXT_KEEP)
+            self.controller.realized.discount_yields(requests, NEW_TEXT_KEEP)
         planner = self.schedule or self.controller
         plan = planner.plan(req_ids, kinds)
         if not eligible.any():
@@ -282,11 +271,9 @@ class AdaptiveSpeculation:
             return
         # Seconds in the curves' units: divided by how fast the machine runs now (`SpeedIndex`).
         outside = measured_outside = now - self._prev_end
-        after_drafting = self._after_drafting()
-        if after_drafting or self._switched_kind():
+        if self._switched_kind():
             if steady:
-                charge = self._charge_after_drafting if after_drafting else self._charge_switch_to_drafting
-                charge(requests, accepted, measured_outside)
+                self._charge_switch_to_drafting(requests, accepted, measured_outside)
             return
         if steady:
             predicted = self.controller.step_seconds(requests, num_tokens, cached_only=True)
@@ -328,28 +315,6 @@ class AdaptiveSpeculation:
         q, *_, prev_requests, measured_drafting, held = self._prev_cycle
         if q > 0 and prev_requests == requests:
             self.controller.arms.observe(requests, True, measured_drafting + held + measured_outside, requests + accepted)
-
-    def _charge_after_drafting(self, requests: int, accepted: int, measured_outside: float) -> None:
-        """A cycle without drafts right after drafting (`AFTER_DRAFTING_CYCLES`, the switch
-        included) charges the drafting arm what it took beyond a cycle of the no-draft arm's
-        rate: the tail of the last drafting step, its verified rows' context queued, steps
-        outside a coasting run, and the plain steps' own slowdown after a drafting forward.
-        In one process (bfloat16, 4 in flight, a schedule drafting two steps in three), the
-        target's plain decode forward right after drafting took 2184-2216 us against
-        1844-1857 us in an engine without speculation, and as fast as it with drafting off
-        (2013 against 2030 us). Counted as no-draft cycles, such steps slowed the no-draft
-        arm, and drafting's lead over it looked larger than over no speculation."""
-        _, *_, prev_requests, measured_drafting, _ = self._prev_cycle
-        none_rate = self.controller.arms.rates(requests)[0]
-        if prev_requests == requests and none_rate > 0:
-            seconds = measured_drafting + measured_outside
-            self.controller.arms.charge(requests, seconds - (requests + accepted) / none_rate)
-
-    def _after_drafting(self) -> bool:
-        """The cycle that ends at this step drafted nothing and came at most
-        `AFTER_DRAFTING_CYCLES` cycles after one that drafted."""
-        since = self._since_drafting
-        return since is not None and 1 <= since <= AFTER_DRAFTING_CYCLES
 
     def _switched_kind(self) -> bool:
         """The cycle that ends at this step drafted and the one before it did not, or the other
@@ -550,8 +515,6 @@ class AdaptiveSpeculation:
         elif requests:
             self.controller.draft_cost.observe(requests, q + 1, drafting / self.speed.factor)
         self._drafted_before = None if self._prev_cycle is None else self._prev_cycle[0] > 0
-        since = self._since_drafting
-        self._since_drafting = 0 if q > 0 else None if since is None else since + 1
         self._prev_cycle = (q, *parts, drafting / self.speed.factor, expected_accepted, requests, drafting,
                             max(end - start - drafting, 0.0))
         self._prev_end = end
