@@ -137,7 +137,7 @@ class PolicyEpochs:
         self._requests, self._steps, self._seconds, self._tokens, self._drafted = requests, 0, 0.0, 0.0, 0
         verdict, share = self.verdict(requests), self.trial_share
         if verdict == 0:
-            a, off = self.rates(requests) if self._both_measured(requests) else (0.0, 0.0)
+            a, off = self._measured_rates(requests)
             if self.cycle_advantage(requests) > self.clear_advantage or a > self.clear_advantage * off > 0:
                 verdict = 1
             elif a >= off > 0:
@@ -179,10 +179,12 @@ class PolicyEpochs:
         """OFF's epochs ran faster than ADAPTIVE's at this batch size, by any margin, both measured
         (`min_epochs`): the controller then wants the curves clearly ahead before it drafts
         (`BudgetController._planned`)."""
-        if not self._both_measured(requests):
-            return False
-        a, off = self.rates(requests)
+        a, off = self._measured_rates(requests)
         return off > a
+
+    def _measured_rates(self, requests: int) -> tuple[float, float]:
+        """`rates` where both policies have `min_epochs` epochs at this batch size, else (0, 0)."""
+        return self.rates(requests) if self._both_measured(requests) else (0.0, 0.0)
 
     def _both_measured(self, requests: int) -> bool:
         sums = self._sums.get(requests)
