@@ -138,6 +138,29 @@ def test_trials_follow_the_measured_lead_while_undecided():
     assert shares[3] <= 0.06
 
 
+def test_one_off_epoch_confirms_a_clear_lead():
+    """OFF's rate does not follow the text, so one OFF epoch is enough to confirm a clear lead of
+    ADAPTIVE's (`min_epochs` of them, over `clear_advantage` ahead): OFF at `confirmed_share` (1/32).
+    Under the clear advantage, or with ADAPTIVE short of `min_epochs`, one OFF epoch is not a
+    measured rate: OFF stays at `trial_share` (1/4). 800 draws each: sds 0.006 and 0.015, every
+    bound over 3 sds from its share."""
+    shares = []
+    for rate_a, adaptive_epochs in ((1500.0, 16.0), (1100.0, 16.0), (1500.0, 2.0)):
+        epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
+        epochs._sums[8] = [[adaptive_epochs, adaptive_epochs * math.log(rate_a),
+                            adaptive_epochs * math.log(rate_a) ** 2],
+                           [1.0, math.log(1000.0), math.log(1000.0) ** 2]]
+        epochs.verdict = lambda requests: 0
+        drawn = []
+        for _ in range(800):
+            epochs._open(8)
+            drawn.append(epochs._policy)
+        shares.append(drawn.count(OFF) / len(drawn))
+    assert shares[0] <= 0.06
+    assert 0.20 <= shares[1] <= 0.30
+    assert 0.20 <= shares[2] <= 0.30
+
+
 def test_prompt_steps_count_in_the_epoch_but_not_in_its_rate():
     """An epoch of 12 plain steps at 1000 tok/s and 4 prompt steps ten times as long closes
     after its 16 steps at exactly 1000 tok/s (with the prompt steps in its rate: 128 tokens in 0.416 s, 308)."""
