@@ -116,22 +116,27 @@ def test_controller_does_not_draft_in_an_off_epoch():
     assert controller.steady_run(req_ids, most=64, drafting=True) == (0, 0)
 
 
+def undecided_off_share(rate_a: float, adaptive_epochs: float, off_epochs: float, draws: int = 800) -> float:
+    """The share of `draws` epochs opened OFF at 8 requests with the verdict forced to 0, ADAPTIVE's
+    epochs all at `rate_a` tok/s and OFF's at 1000."""
+    epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
+    epochs._sums[8] = [[n, n * math.log(rate), n * math.log(rate) ** 2]
+                       for n, rate in ((adaptive_epochs, rate_a), (off_epochs, 1000.0))]
+    epochs.verdict = lambda requests: 0
+    drawn = []
+    for _ in range(draws):
+        epochs._open(8)
+        drawn.append(epochs._policy)
+    return drawn.count(OFF) / len(drawn)
+
+
 def test_trials_follow_the_measured_lead_while_undecided():
     """Undecided (the verdict forced to 0): OFF epochs at 1/4 while OFF is unmeasured, 1/2 while
     OFF's rate leads, 1/8 while ADAPTIVE's leads by under `clear_advantage`, 1/32 beyond it.
     800 draws each: the shares' binomial sds are 0.015, 0.018, 0.012 and 0.006; every bound is
     over 3 sds from its share."""
-    shares = []
-    for rate_a, off_epochs in ((1000.0, 0.0), (900.0, 16.0), (1100.0, 16.0), (1500.0, 16.0)):
-        epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
-        epochs._sums[8] = [[16.0, 16 * math.log(rate_a), 16 * math.log(rate_a) ** 2],
-                           [off_epochs, off_epochs * math.log(1000.0), off_epochs * math.log(1000.0) ** 2]]
-        epochs.verdict = lambda requests: 0
-        drawn = []
-        for _ in range(800):
-            epochs._open(8)
-            drawn.append(epochs._policy)
-        shares.append(drawn.count(OFF) / len(drawn))
+    shares = [undecided_off_share(rate_a, 16.0, off_epochs)
+              for rate_a, off_epochs in ((1000.0, 0.0), (900.0, 16.0), (1100.0, 16.0), (1500.0, 16.0))]
     assert 0.20 <= shares[0] <= 0.30
     assert 0.44 <= shares[1] <= 0.56
     assert 0.085 <= shares[2] <= 0.165
@@ -144,18 +149,8 @@ def test_one_off_epoch_confirms_a_clear_lead():
     Under the clear advantage, or with ADAPTIVE short of `min_epochs`, one OFF epoch is not a
     measured rate: OFF stays at `trial_share` (1/4). 800 draws each: sds 0.006 and 0.015, every
     bound over 3 sds from its share."""
-    shares = []
-    for rate_a, adaptive_epochs in ((1500.0, 16.0), (1100.0, 16.0), (1500.0, 2.0)):
-        epochs = PolicyEpochs(np.random.default_rng(0), epoch_steps=2)
-        epochs._sums[8] = [[adaptive_epochs, adaptive_epochs * math.log(rate_a),
-                            adaptive_epochs * math.log(rate_a) ** 2],
-                           [1.0, math.log(1000.0), math.log(1000.0) ** 2]]
-        epochs.verdict = lambda requests: 0
-        drawn = []
-        for _ in range(800):
-            epochs._open(8)
-            drawn.append(epochs._policy)
-        shares.append(drawn.count(OFF) / len(drawn))
+    shares = [undecided_off_share(rate_a, adaptive_epochs, 1.0)
+              for rate_a, adaptive_epochs in ((1500.0, 16.0), (1100.0, 16.0), (1500.0, 2.0))]
     assert shares[0] <= 0.06
     assert 0.20 <= shares[1] <= 0.30
     assert 0.20 <= shares[2] <= 0.30
