@@ -504,9 +504,12 @@ def test_the_recent_rows_are_the_last_ones_of_each_kind_extended_to_k():
 
 
 def measured_epochs(epochs, requests: int, off_rate: float, adaptive_rate: float = 1000.0) -> None:
-    """`min_epochs` epochs of each policy at these rates (OFF leads where off_rate is higher)."""
+    """`min_epochs` epochs of each policy at these rates, and as many pairs of neighbours (OFF leads
+    where off_rate is higher)."""
     n = float(epochs.min_epochs)
     epochs._sums[requests] = [[n, n * math.log(rate), n * math.log(rate) ** 2] for rate in (adaptive_rate, off_rate)]
+    d = math.log(adaptive_rate / off_rate)
+    epochs._pairs[requests] = [n, n * d, n * d * d]
 
 
 def test_a_small_curve_lead_does_not_draft_where_the_epochs_ran_off_faster():

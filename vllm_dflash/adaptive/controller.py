@@ -209,7 +209,7 @@ class BudgetController:
         self.realized = RealizedRatio(self._knots)
         self.arms = ArmRates(self._knots)
         self.drain = DrainLoss(self._knots, no_draft_share=max_explore_probability)
-        self.epochs = PolicyEpochs(self.rng)
+        self.epochs = PolicyEpochs(self.rng, size_key=self._size_knot)
         self.epochs.cycle_advantage = self._cycle_advantage
         self._decisions = 0
         # EXPLORE / PROBE drawn by steady_run(), or CALM (`run_cut_short`): plan() carries it out
@@ -226,6 +226,11 @@ class BudgetController:
         self._replan: dict | None = None  # what the last replan saw, for the trace
 
     # ------------------------------------------------------------- planning --
+
+    def _size_knot(self, requests: int) -> int:
+        """The cost model's batch-size knot nearest to `requests` (its value): what the policy
+        epochs are kept under, so a batch that dips by one request keeps its verdict."""
+        return int(self._knots[nearest_knot(self._knots, requests)])
 
     def _cycle_advantage(self, requests: int) -> float:
         """The measured arms' drafting tokens per second over not drafting's at this batch size

@@ -119,7 +119,7 @@ class RealizedRatio:
 def difference_variance(moments, noise_floor: float) -> float:
     """The squared standard error of the difference of two forgetting means of log rates, from
     each one's (weight, sum, sum of squares), each variance at least `noise_floor` squared
-    (`ArmRates` per cycle, `epochs.PolicyEpochs` per epoch)."""
+    (`ArmRates` per cycle)."""
     spread = 0.0
     for weight, log_rate, log_rate_sq in moments:
         mean = log_rate / weight
