@@ -13,6 +13,7 @@ from vllm_dflash.adaptive.controller import (
     LONGER_BLOCK_TOLERANCE,
     NO_DRAFT_REFRESH_FACTOR,
     OPTIMAL,
+    PROBE,
     WARMUP,
     BudgetController,
     ForcedSchedule,
@@ -212,6 +213,30 @@ def test_exploration_also_tries_no_draft():
     assert {p.q for p in plans if p.reason == OPTIMAL} == {K}
     explored = [p.q for p in plans if p.reason == EXPLORE]
     assert len(explored) > 50 and set(explored) == {0}
+
+
+def test_no_exploration_without_drafts_where_the_epochs_confirmed_drafting():
+    """Where the policy epochs have drafting ahead (`PolicyEpochs.confirmed`: here ADAPTIVE's
+    epochs 1.5x OFF's), their OFF epochs measure the no-draft step: the same plans as in
+    `test_exploration_also_tries_no_draft` never explore without drafts (a full-block plan then
+    does not explore at all), and a shorter plan (drafting priced 10x higher: q = 2) explores
+    longer blocks only. With the epochs level (1.0x) they still explore without drafts."""
+    for adaptive_rate, draft_cost, confirmed in ((1500.0, 1e-5, True), (1000.0, 1e-5, False), (1500.0, 1e-4, True)):
+        c = controller(lambda r, t: 1e-3 * (1 + 0.2 * (t - 1)), lambda r, t, d=draft_cost: d * t,
+                       max_explore_probability=0.5, explore_time_share=1.0)
+        ids = [f"r{i}" for i in range(4)]
+        give_history(c, ids, np.cumprod(np.full(K, 0.6)))
+        measured_epochs(c.epochs, 4, off_rate=1000.0, adaptive_rate=adaptive_rate)
+        assert c.epochs.confirmed(4) == confirmed
+        plans = [c.plan(ids, np.full(4, GREEDY)) for _ in range(400)]
+        planned = {p.q for p in plans if p.reason == OPTIMAL}
+        explored = [p.q for p in plans if p.reason in (EXPLORE, PROBE)]
+        assert len(planned) == 1 and min(planned) > 0
+        if confirmed:
+            assert all(q > min(planned) for q in explored)
+            assert (len(explored) > 20) == (min(planned) < K)
+        else:
+            assert explored.count(0) > 20
 
 
 def test_exploring_a_full_block_plan_is_priced_by_the_output_it_forgoes():

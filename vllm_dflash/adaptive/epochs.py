@@ -168,15 +168,8 @@ class PolicyEpochs:
         self._requests, self._steps, self._seconds, self._tokens, self._drafted = requests, 0, 0.0, 0.0, 0
         verdict, share = self.verdict(requests), self.trial_share
         if verdict == 0:
-            # A clear lead needs one OFF epoch only: OFF yields one token per request a step whatever
-            # the text, so its epochs differ only as the machine's speed does, while ADAPTIVE's follow
-            # the text. At one request in bfloat16 (Xeon with AMX, bundled pair) OFF epochs ran 276-315
-            # tok/s, ADAPTIVE's 200-1390, so the verdict waited on ADAPTIVE's spread: one round's
-            # one-request cell ran 7 OFF epochs (13% of its steps) while ADAPTIVE's ran 1.5-1.8x faster.
-            clear_a, clear_off = self._measured_rates(requests, off_epochs=1)
             advantage = self.advantage(requests)
-            if (self.cycle_advantage(requests) > self.clear_advantage
-                    or clear_a > self.clear_advantage * clear_off > 0):
+            if self._clear_lead(requests):
                 verdict = 1
             elif advantage >= 1.0:
                 share = self.trial_share / 2
@@ -186,6 +179,23 @@ class PolicyEpochs:
             share = self.confirmed_share if verdict > 0 else 1.0 - self.retest_share_at(requests)
         self._policy = OFF if self.rng.random() < share else ADAPTIVE
         self.off_now = self._policy == OFF
+
+    def confirmed(self, requests: int) -> bool:
+        """ADAPTIVE is ahead at this batch size: by its verdict, or by a clear lead (`_clear_lead`).
+        OFF's epochs (`confirmed_share` of them) then measure the steps without drafts there."""
+        return self.verdict(requests) > 0 or self._clear_lead(requests)
+
+    def _clear_lead(self, requests: int) -> bool:
+        """The cycles' own arms, or ADAPTIVE's epochs (`min_epochs` of them) against OFF's (one is
+        enough), put ADAPTIVE more than `clear_advantage` ahead. A clear lead needs one OFF epoch
+        only: OFF yields one token per request a step whatever the text, so its epochs differ only
+        as the machine's speed does, while ADAPTIVE's follow the text. At one request in bfloat16
+        (Xeon with AMX, bundled pair) OFF epochs ran 276-315 tok/s, ADAPTIVE's 200-1390, so the
+        verdict waited on ADAPTIVE's spread: one round's one-request cell ran 7 OFF epochs (13% of
+        its steps) while ADAPTIVE's ran 1.5-1.8x faster."""
+        clear_a, clear_off = self._measured_rates(requests, off_epochs=1)
+        return (self.cycle_advantage(requests) > self.clear_advantage
+                or clear_a > self.clear_advantage * clear_off > 0)
 
     def retest_share_at(self, requests: int) -> float:
         """The share of ADAPTIVE epochs once OFF is ahead: `retest_share`, or less where the
