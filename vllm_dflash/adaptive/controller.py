@@ -319,7 +319,7 @@ class BudgetController:
         measured_off = q > 0 and self._no_draft_measured_off(requests)
         if explore_now == PROBE or (explore_now is None and entry.probe and not measured_off
                                     and self.rng.random() < self.probe_probability / self.probe_steps):
-            if measured_off and entry.other_q == 0:
+            if measured_off:  # (a plan drawn as a probe before the epochs confirmed drafting)
                 return plan
             if entry.other_q == 0:
                 self._start_other_run(0, PROBE)

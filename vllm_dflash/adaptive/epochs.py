@@ -69,6 +69,12 @@ ADAPTIVE, OFF = 0, 1
 POLICY_NAMES = ("adaptive", "off")
 
 
+def _forget_add(moments: list[float] | tuple[float, float, float], x: float, keep: float) -> list[float]:
+    """Forgetting [weight, sum, sum of squares] with `x` added and older values kept at `keep`."""
+    n, s, s2 = moments
+    return [n * keep + 1.0, s * keep + x, s2 * keep + x * x]
+
+
 class PolicyEpochs:
     """See the module docstring. Per batch size (the exact number of requests in a step):
     forgetting sums of each policy's per-epoch log rate. `step` takes every step in order;
@@ -87,6 +93,7 @@ class PolicyEpochs:
                              "retest_cost > 0, size_tolerance in (0, 1] and pair_overlap >= 1")
         self.rng = rng
         self.epoch_steps, self.memory, self.min_epochs = epoch_steps, float(memory), min_epochs
+        self._keep = 1.0 - 1.0 / self.memory
         self.z, self.stop_z, self.noise_floor = z, stop_z, noise_floor
         self.trial_share, self.retest_share, self.confirmed_share = trial_share, retest_share, confirmed_share
         self.off_lead_share = off_lead_share
@@ -193,7 +200,9 @@ class PolicyEpochs:
         (Xeon with AMX, bundled pair) OFF epochs ran 276-315 tok/s, ADAPTIVE's 200-1390, so the
         verdict waited on ADAPTIVE's spread: one round's one-request cell ran 7 OFF epochs (13% of
         its steps) while ADAPTIVE's ran 1.5-1.8x faster."""
-        clear_a, clear_off = self._measured_rates(requests, off_epochs=1)
+        sums = self._sums.get(self.size_key(requests))
+        measured = sums is not None and sums[ADAPTIVE][0] >= self.min_epochs - 1e-9 and sums[OFF][0] >= 1.0 - 1e-9
+        clear_a, clear_off = self.rates(requests) if measured else (0.0, 0.0)
         return (self.cycle_advantage(requests) > self.clear_advantage
                 or clear_a > self.clear_advantage * clear_off > 0)
 
@@ -216,9 +225,7 @@ class PolicyEpochs:
             return
         x = math.log(self._tokens / self._seconds)
         sums = self._sums.setdefault(requests, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-        keep = 1.0 - 1.0 / self.memory
-        n, s, s2 = sums[policy]
-        sums[policy] = [n * keep + 1.0, s * keep + x, s2 * keep + x * x]
+        sums[policy] = _forget_add(sums[policy], x, self._keep)
         self._pair(requests, policy, x)
         self.epochs_closed[policy] += 1
         if self.trace is not None:
@@ -243,9 +250,7 @@ class PolicyEpochs:
         if last is None or last[0] == policy or self._clock - last[2] > 2 * self.epoch_steps:
             return
         d = x - last[1] if policy == ADAPTIVE else last[1] - x
-        keep = 1.0 - 1.0 / self.memory
-        n, s, s2 = self._pairs.get(requests, (0.0, 0.0, 0.0))
-        self._pairs[requests] = [n * keep + 1.0, s * keep + d, s2 * keep + d * d]
+        self._pairs[requests] = _forget_add(self._pairs.get(requests, (0.0, 0.0, 0.0)), d, self._keep)
 
     # ------------------------------------------------------------ verdicts --
 
@@ -278,16 +283,6 @@ class PolicyEpochs:
         (`advantage` under 1): the controller then wants the curves clearly ahead before it
         drafts (`BudgetController._planned`)."""
         return 0.0 < self.advantage(requests) < 1.0
-
-    def _measured_rates(self, requests: int, off_epochs: int | None = None) -> tuple[float, float]:
-        """`rates` where both policies are measured at this batch size (`_both_measured`), else (0, 0)."""
-        return self.rates(requests) if self._both_measured(requests, off_epochs) else (0.0, 0.0)
-
-    def _both_measured(self, requests: int, off_epochs: int | None = None) -> bool:
-        """ADAPTIVE has `min_epochs` epochs at this batch size and OFF `off_epochs` (None: `min_epochs`)."""
-        sums = self._sums.get(self.size_key(requests))
-        least = (self.min_epochs, self.min_epochs if off_epochs is None else off_epochs)
-        return sums is not None and all(sums[p][0] >= least[p] - 1e-9 for p in (ADAPTIVE, OFF))
 
     def verdict(self, requests: int) -> int:
         """+1: ADAPTIVE delivers more than OFF at this batch size by over `z` standard errors of
