@@ -153,6 +153,12 @@ def test_bad_settings_name_the_field():
         PolicyEpochs(np.random.default_rng(0), epoch_steps=1)
     with pytest.raises(ValueError, match="clear_advantage >= 1"):
         PolicyEpochs(np.random.default_rng(0), clear_advantage=0.5)
+    with pytest.raises(ValueError, match="retest_cost > 0"):
+        PolicyEpochs(np.random.default_rng(0), retest_cost=0.0)
+    with pytest.raises(ValueError, match=r"size_tolerance in \(0, 1\]"):
+        PolicyEpochs(np.random.default_rng(0), size_tolerance=1.5)
+    with pytest.raises(ValueError, match="pair_overlap >= 1"):
+        PolicyEpochs(np.random.default_rng(0), pair_overlap=0.5)
 
 
 def test_controller_does_not_draft_in_an_off_epoch():
