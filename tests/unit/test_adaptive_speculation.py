@@ -122,11 +122,54 @@ def test_steady_steps_without_drafts_coast_and_keep_measuring():
     spec.fold_runs()
     assert c.step_cost.observations - before[0] == 10 and c.draft_cost.observations - before[1] == 10
     assert spec.stats.snapshot()["query_hist"][0] == 11 and spec.stats.snapshot()["budget_hist"][0] == 22
-    assert not spec.coast(now + 0.01, ["a", "c"], 2)  # another batch
-    assert not spec.coast(now + 0.01, list(ids), 5)  # not a plain decode step
+    assert not spec.coast(now + 0.01, ["c", "d"], 2)  # new requests only: begin() takes them
     forced = AdaptiveSpeculation(K, 8, schedule="jump")
     step(forced, 0.0, ids, [0, 0], [0, 0], 2)
     assert not forced.coast(0.01, list(ids), 2)  # a forced schedule plans every step outside its pauses
+
+
+def test_a_changed_batch_opens_a_coasting_run_where_its_plan_holds():
+    """A step whose batch changed (a prompt chunk came in, a request left, a new one joined)
+    coasts where the batch size's cached plan drafts nothing and holds for these requests
+    (all greedy: a plan of the same basis is theirs), as begin() would learn from it: a
+    step with a prompt chunk is no E(R, t) sample, the steps after it are. New requests
+    only, or another batch size without a plan, go to begin(). Fails where coast() turns
+    every changed batch away (each then paid a plan: ~0.75 ms at 16 requests)."""
+    spec = AdaptiveSpeculation(K, 8, seed=0, warmup_steps=0, knot_warmup_steps=0, max_explore_probability=0.0)
+    c = spec.controller
+    for t in range(1, K + 2):  # verification dear at both sizes: the plan drafts nothing
+        for r in (1, 2):
+            c.step_cost.observe(r, t, 8e-3 * t)
+            c.draft_cost.observe(r, t, 2e-3 * t)
+    now = 0.0
+    plan, _ = step(spec, now, ["a", "b"], [0, 0], [0, 0], 2)
+    assert plan.q == 0
+    e_before, d_before = c.step_cost.observations, c.draft_cost.observations
+    now += 0.01
+    assert spec.coast(now, ["a", "b"], 5)  # a prompt chunk of 3 tokens (a partial prefill)
+    spec.end_coast(now, now + 0.002)
+    now += 0.01
+    assert spec.coast(now, ["a", "b"], 2)  # the run goes on
+    spec.end_coast(now, now + 0.002)
+    now += 0.01
+    assert spec.coast(now, ["a", "c"], 4, all_greedy=True)  # c's prompt: b's plan carries over
+    spec.end_coast(now, now + 0.002)
+    assert c._cache[2].req_ids == ["a", "c"] and spec._prev_req_list == ["a", "c"]
+    spec.fold_runs()
+    # E(R, t) from the plain step only: the chunked ones are not steady; D(R, 1) from all three
+    assert c.step_cost.observations - e_before == 1 and c.draft_cost.observations - d_before == 3
+    now += 0.01
+    coasted = spec.coast(now, ["c"], 1)
+    assert coasted == c.epochs.off_now  # one request: no plan there yet (an OFF epoch needs none)
+    if coasted:
+        spec.end_coast(now, now + 0.002)
+    else:
+        step(spec, now, ["c"], [0], [0], 1)
+    now += 0.01
+    assert not spec.coast(now, ["e", "f"], 2, all_greedy=True)  # new requests only
+    forced = AdaptiveSpeculation(K, 8, schedule="pause:0:100")
+    step(forced, 0.0, ["a", "b"], [0, 0], [0, 0], 2)
+    assert not forced.coast(0.01, ["a"], 1)  # a forced schedule plans every changed batch
 
 
 def test_a_forced_pause_coasts_and_its_steps_count_in_the_schedule():
@@ -295,25 +338,26 @@ def test_continuing_a_run_the_quick_way_is_coast_and_end_coast():
 
 
 def test_a_coasting_run_ends_with_a_changed_batch_or_a_prefill():
+    """A step that is not the run's (rows moved, a prompt chunk) ends it: the run is folded
+    first, then the step opens a run of its own where the plan holds (`coast`)."""
     spec = _coasting_spec(max_explore_probability=0.0)
     assert spec.coast(0.01, ["a", "b"], 2)
     spec.end_coast(0.01, 0.011)
     assert spec.coast(0.02, ["a", "b"], 2)  # inside the run: the fast check
     spec.end_coast(0.02, 0.021)
+    assert spec.coasting_run(2) == ["a", "b"]
     folded = spec.controller.draft_cost.observations
-    assert not spec.coast(0.03, ["b", "a"], 2)  # rows moved: begin() takes the step ...
-    step(spec, 0.03, ["b", "a"], [0, 0], [0, 0], 2)
-    assert spec.controller.draft_cost.observations == folded + 2 + 1  # ... folds the run first, then its own
-    now = 0.04
-    for _ in range(spec.controller.refresh_steps):  # planned until the plan is this batch's own
-        step(spec, now, ["b", "a"], [0, 0], [0, 0], 2)
-        now += 0.01
-        if spec.coast(now, ["b", "a"], 2):
-            break
-    else:
-        raise AssertionError("the swapped batch never coasted")
-    spec.end_coast(now, now + 0.001)
-    assert not spec.coast(now + 0.01, ["b", "a"], 7)  # a prompt chunk in the step
+    assert spec.coasting_run(2) != ["b", "a"]
+    assert spec.coast(0.03, ["b", "a"], 2, all_greedy=True)  # rows moved: a new run (the plan is theirs)
+    assert spec.controller.draft_cost.observations == folded + 2  # the run before, folded first
+    spec.end_coast(0.03, 0.031)
+    assert spec._prev_req_list == ["b", "a"]
+    e_before = spec.controller.step_cost.observations
+    assert spec.coast(0.04, ["b", "a"], 7, all_greedy=True)  # a prompt chunk in the step: folds the run, opens one
+    spec.end_coast(0.04, 0.041)
+    spec.fold_runs()
+    assert spec.controller.step_cost.observations == e_before + 1  # the swapped step's E(2, 1); the chunk's none
+    assert spec.controller.draft_cost.observations == folded + 4
 
 
 def test_coasting_runs_still_explore_at_the_planned_rate():
@@ -344,6 +388,34 @@ def test_coasting_runs_still_explore_at_the_planned_rate():
     mean, sd = steps * p, run * (steps * start * (1 - start)) ** 0.5
     assert mean - 5 * sd <= explored <= mean + 5 * sd
 
+
+
+def test_coasting_runs_opened_by_batch_changes_still_explore_at_the_planned_rate():
+    """A batch change cuts the run short (its draw is dropped, the step is calm) and opens
+    a run of its own, which draws for the steps after it. 4000 steps, every other one a
+    prompt chunk: exploring steps stay within 5 standard deviations of the planned share
+    (as in test_coasting_runs_still_explore_at_the_planned_rate), and the chunked steps
+    coast. Fails where a calm step opens no run (2697 of 4000 steps coasted) or draws for
+    itself as well (1977)."""
+    spec = _coasting_spec(max_explore_probability=0.05, explore_time_share=1e9, probe_probability=0.0)
+    c = spec.controller
+    p = c._explore_probability(c._cache[2])
+    now, steps, coasted = 0.002, 4000, 0
+    for i in range(steps):
+        now += 0.01
+        tokens = 7 if i % 2 else 2
+        if spec.coast(now, ["a", "b"], tokens, all_greedy=True):
+            spec.end_coast(now, now + 0.0005)
+            coasted += 1
+            continue
+        spec.begin(now, ["a", "b"], np.zeros(2), np.zeros(2), tokens, np.ones(2, dtype=bool), np.ones(2, dtype=bool))
+        spec.choose(now + 0.0002, np.zeros((2, 0)), np.zeros((2, 0)))
+        spec.end(now + 0.0005)
+    explored = spec.stats.snapshot()["steps"]["explore"]
+    run, start = c.probe_steps, p / c.probe_steps
+    mean, sd = steps * p, run * (steps * start * (1 - start)) ** 0.5
+    assert mean - 5 * sd <= explored <= mean + 5 * sd
+    assert coasted >= steps * 0.75  # chunked steps coast as the others do
 
 
 def _drafting_spec(**kwargs):

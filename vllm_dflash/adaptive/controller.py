@@ -438,11 +438,15 @@ class BudgetController:
         none = max(1.0 - float(values[0] / values[q]), 0.0)
         return none if q == self.max_k else 0.5 * (none + longer)  # plan(): half of the steps each way
 
-    def steady_run(self, req_ids: list[str], most: int, drafting: bool = False) -> tuple[int, int]:
+    def steady_run(self, req_ids: list[str], most: int, drafting: bool = False,
+                   kinds: np.ndarray | None = None) -> tuple[int, int]:
         """(steps, q): how many steps, from this one, the requests `req_ids` may keep their
         batch size's cached plan q without planning (its time factors have not moved, and
         none of those steps is due for a replan or draws exploration), at most `most`;
-        only a plan that drafts (`drafting`) or only one that does not. The caller skips
+        only a plan that drafts (`drafting`) or only one that does not. With the requests'
+        `kinds`, a plan made for other requests with the same basis is theirs too, as
+        `_planned` would take it (`_plan_basis`); without, it holds for a quarter of
+        `refresh_steps` (`_stale`). The caller skips
         planning for those steps and reports them with `coasted`; a run without drafting
         also skips everything a plan would need (request kinds, eligibility, priors): on a
         busy CPU a step without drafting must cost what a step without speculation costs,
@@ -461,13 +465,19 @@ class BudgetController:
         epoch_left = self.epochs.steps_left(requests) - 1
         if self.epochs.off_now and not self.in_warmup(requests):  # (warm-up is planned step by step)
             return (0, 0) if drafting or epoch_left <= 0 else (min(most, epoch_left), 0)
-        if self._explore_next is not None:  # drawn by the last run (or calm): carried out by plan()
+        # Drawn by the last run: carried out by plan(). A calm step (the run before was cut short here,
+        # `run_cut_short`) may open a run: the draw below is for the steps after it.
+        calm_now = self._explore_next == CALM
+        if self._explore_next is not None and not calm_now:
             return 0, 0
         most = min(most, epoch_left)
         entry = self._cache.get(requests)
         if (entry is None or (entry.q > 0) != drafting or self._inputs_moved(
                 entry, self.time_factors(requests), self.verdict(requests), self.epochs.off_leads(requests))):
             return 0, 0
+        if (req_ids != entry.req_ids and kinds is not None and entry.basis is not None
+                and entry.basis == self._plan_basis(req_ids, kinds)):
+            entry = self._cache[requests] = entry._replace(req_ids=req_ids)
         limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
         if run <= 0:
@@ -477,15 +487,20 @@ class BudgetController:
         explore = 0.0 if measured_off and entry.q == self.max_k else self._explore_start(entry)
         chance = 1.0 - (1.0 - probe) * (1.0 - explore)
         if chance > 0.0:
-            calm = int(self.rng.geometric(chance)) - 1  # steps before the first probe or exploration
+            calm = int(self.rng.geometric(chance)) - 1 + calm_now  # steps before the first probe or exploration
             if calm < run:
                 self._explore_next = PROBE if self.rng.random() * chance < probe else EXPLORE
                 run = calm
+            elif calm_now:
+                self._explore_next = None
+        elif calm_now:
+            self._explore_next = None
         return (run, entry.q) if run > 0 else (0, 0)
 
     def run_cut_short(self) -> None:
         """A run from steady_run() ends at this step, one of its own (a changed batch, a
-        prompt chunk), which plans instead. The run's draw already said this step is calm
+        prompt chunk), which plans instead or opens a run of its own (`steady_run`, for the
+        steps after it). The run's draw already said this step is calm
         (no probe, no exploration), so it draws nothing; a probe or exploration the run
         drew for a later step is dropped, and the steps after this one draw afresh
         (memoryless). Drawing again at this step, or keeping the later draw, explores
@@ -834,7 +849,8 @@ class ForcedSchedule:
             return Plan(0 if first <= self.step - 1 < end else self.max_k, FORCED)
         return Plan(self.max_k if self.step % 3 else 0, FORCED)
 
-    def steady_run(self, req_ids: list[str], most: int, drafting: bool = False) -> tuple[int, int]:
+    def steady_run(self, req_ids: list[str], most: int, drafting: bool = False,
+                   kinds: np.ndarray | None = None) -> tuple[int, int]:
         """(steps, 0): the steps of a pause from the next one on, at most `most` (none outside a
         pause, or for `drafting`): they coast as the controller's runs without drafting do
         (`AdaptiveSpeculation.coast`), so tests that force a pause take that path too."""

@@ -134,6 +134,7 @@ class DFlashProposer(DrafterBase):
         # and the rows of its prompt chunks (`_write_context`). Left out of the draft-time sample.
         self._not_drafting_seconds = 0.0
         self._prompt_rows = 0  # context rows of this step that are prompt tokens (set by _begin_adaptive)
+        self._coast_asked = False  # _coast_first asked coast() this step (and was told no)
         # Seconds of the context writes, fixed part and per row (what a switch to drafting is priced at).
         self._context_write_cost = ContextWriteCost()
         if self.adaptive is not None:
@@ -438,12 +439,17 @@ class DFlashProposer(DrafterBase):
         # under tensor parallelism the ranks must agree on q through a collective.
         t0 = self._step_clock()
         if self._tp_size == 1:
-            drafts = self._coast_on(runner, t0, num_tokens, aux_hidden_states, common_attn_metadata)
+            drafts = self._coast_on(runner, t0, num_tokens, aux_hidden_states, common_attn_metadata,
+                                    sampling_metadata.all_greedy)
             if drafts is not None:
                 return drafts
         req_ids = self.runner.input_batch.req_ids[:batch_size]
-        coasting = self._tp_size == 1 and self.adaptive.coast(t0, req_ids, num_tokens)
-        self._prompt_rows = 0  # a coasting step is plain decode; _begin_adaptive counts the others
+        asked, self._coast_asked = self._coast_asked, False  # (coast() said no to this step already)
+        coasting = (self._tp_size == 1 and not asked
+                    and self.adaptive.coast(t0, req_ids, num_tokens, sampling_metadata.all_greedy))
+        # A coasting step's rows past one a request are a new request's prompt chunk (nothing was
+        # verified); _begin_adaptive counts the other steps'.
+        self._prompt_rows = num_tokens - batch_size
         if not coasting:
             q = self._begin_adaptive(batch_size, num_tokens, None, sampling_metadata, nothing_verified=True, t0=t0)
             if q > 0:
@@ -466,7 +472,7 @@ class DFlashProposer(DrafterBase):
         return drafts
 
     def _coast_on(self, runner, t0: float, num_tokens: int, aux_hidden_states: list[torch.Tensor],
-                  cad: CommonAttentionMetadata) -> list[list[int]] | None:
+                  cad: CommonAttentionMetadata, all_greedy: bool) -> list[list[int]] | None:
         """A step that continues the open coasting run (the same requests, plain decode),
         settled with the fewest statements: the general path below does the same for it
         (coast(), the held rows, end_coast()) with checks and slices that only other steps
@@ -477,7 +483,7 @@ class DFlashProposer(DrafterBase):
             return None
         req_ids = self.adaptive.coasting_run(num_tokens)
         if req_ids is None:
-            return self._coast_first(runner, t0, num_tokens, aux_hidden_states, cad)
+            return self._coast_first(runner, t0, num_tokens, aux_hidden_states, cad, all_greedy)
         if runner.input_batch.req_ids[:num_tokens] != req_ids:
             return None
         index = self._host_step_index(runner, cad, num_tokens)
@@ -487,7 +493,7 @@ class DFlashProposer(DrafterBase):
         return self._settle_without_drafts(t0, num_tokens, self.adaptive.coast_on)
 
     def _coast_first(self, runner, t0: float, num_tokens: int, aux_hidden_states: list[torch.Tensor],
-                     cad: CommonAttentionMetadata) -> list[list[int]] | None:
+                     cad: CommonAttentionMetadata, all_greedy: bool) -> list[list[int]] | None:
         """The first step of a coasting run (`AdaptiveSpeculation.coast` opens it), settled as
         `_coast_on` settles the run's other steps. The general path had taken it: at 16
         requests in bfloat16, the run's first steps cost ~0.3 ms each beside the ~0.07 ms of
@@ -497,8 +503,9 @@ class DFlashProposer(DrafterBase):
         if index is None or not self.deferred_context.room_on_host(num_tokens):
             return None
         req_ids = runner.input_batch.req_ids[:num_tokens]
-        if not self.adaptive.coast(t0, req_ids, num_tokens):
-            return None  # (the general path asks coast() again: with nothing changed, the same answer)
+        if not self.adaptive.coast(t0, req_ids, num_tokens, all_greedy):
+            self._coast_asked = True  # the general path does not ask again
+            return None
         self.deferred_context.hold_on_host(aux_hidden_states, *index, num_tokens, req_ids)
         self._prompt_rows = 0
         return self._settle_without_drafts(t0, num_tokens, self.adaptive.end_coast)
