@@ -475,9 +475,7 @@ class BudgetController:
         if (entry is None or (entry.q > 0) != drafting or self._inputs_moved(
                 entry, self.time_factors(requests), self.verdict(requests), self.epochs.off_leads(requests))):
             return 0, 0
-        if (req_ids != entry.req_ids and kinds is not None and entry.basis is not None
-                and entry.basis == self._plan_basis(req_ids, kinds)):
-            entry = self._cache[requests] = entry._replace(req_ids=req_ids)
+        entry = self._carried_over(requests, entry, req_ids, kinds)
         limit = entry.interval if req_ids == entry.req_ids else max(1, self.refresh_steps // 4)
         run = min(most, limit - (self._decisions - entry.stamp) - 1)  # _stale(entry, req_ids, ahead=1..run)
         if run <= 0:
@@ -527,9 +525,8 @@ class BudgetController:
         verdict = self.verdict(requests)
         off_lead = self.epochs.off_leads(requests)
         moved = entry is not None and self._inputs_moved(entry, factors, verdict, off_lead)
-        if (entry is not None and not moved and entry.basis is not None and req_ids != entry.req_ids
-                and entry.basis == self._plan_basis(req_ids, kinds)):
-            entry = self._cache[requests] = entry._replace(req_ids=req_ids)  # theirs too: see `_plan_basis`
+        if entry is not None and not moved:
+            entry = self._carried_over(requests, entry, req_ids, kinds)
         if entry is None or self._stale(entry, req_ids) or moved:
             k = self.max_k
             step = self.step_cost.predict(requests, 1.0 + np.arange(requests * k + 1) / requests)
@@ -595,6 +592,16 @@ class BudgetController:
                                 interval, req_ids, verdict, off_lead, other_q, probe, bool(verifies[other_q]), ratio,
                                 float(scaled[0]), basis)
             self._cache[requests] = entry
+        return entry
+
+    def _carried_over(self, requests: int, entry: _CachedPlan, req_ids: list[str],
+                      kinds: np.ndarray | None) -> _CachedPlan:
+        """`entry`, made theirs where it was made for other requests with the same basis
+        (`_plan_basis`: then the plan is the same for them); as it was otherwise, or without
+        the requests' `kinds`."""
+        if (req_ids != entry.req_ids and kinds is not None and entry.basis is not None
+                and entry.basis == self._plan_basis(req_ids, kinds)):
+            entry = self._cache[requests] = entry._replace(req_ids=req_ids)
         return entry
 
     def _plan_basis(self, req_ids: list[str], kinds: np.ndarray, sampled: bool | None = None,

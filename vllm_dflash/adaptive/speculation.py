@@ -213,7 +213,7 @@ class AdaptiveSpeculation:
         self._run_left, self._run_q = run - 1, 0
         if opening is not None:
             self._run_opening = opening
-            self._prev_req_list, self._prev_req_ids = req_ids, set(req_ids)
+            self._remember_batch(req_ids)
         return True
 
     def _batch_change(self, req_ids: list[str], num_tokens: int) -> tuple[bool, bool, int] | None:
@@ -527,9 +527,14 @@ class AdaptiveSpeculation:
                                np.zeros(int(st.eligible.sum()), dtype=np.int64), st.plan.reason)
         self.controller.prior.forget(st.req_ids)
         self.offsets.forget(st.req_ids)
-        if st.req_ids != self._prev_req_list:  # the set is rebuilt only when the batch changed
-            self._prev_req_list, self._prev_req_ids = st.req_ids, set(st.req_ids)
+        self._remember_batch(st.req_ids)
         self._step = None
+
+    def _remember_batch(self, req_ids: list[str]) -> None:
+        """The step's requests, as the next step's `_prev_req_list` and `_prev_req_ids` (the set
+        is rebuilt only when the batch changed)."""
+        if req_ids != self._prev_req_list:
+            self._prev_req_list, self._prev_req_ids = req_ids, set(req_ids)
 
     def _close_cycle(self, start: float, end: float, not_drafting: float, requests: int, q: int,
                      parts: tuple[float, float], expected_accepted: float) -> None:
